@@ -1,0 +1,287 @@
+"""The asyncio admission queue: who goes upstream next, and who is told to come back later.
+
+A request is dispatched only while both in-flight limits hold (requests and KV tokens) and the
+prefill pace allows its prompt. Classes are served in strict priority, FIFO within a class. The
+queue is bounded in length and in wait; a full queue sheds its lowest-priority newest waiter
+before it refuses a higher-priority arrival. Every granted `Slot` is released exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from powerbatch.admission.priority import DEFERRABLE, PRIORITIES, rank
+from powerbatch.control import Limits
+
+
+class Rejected(Exception):
+    """A request the queue will not serve; maps to an HTTP answer."""
+
+    def __init__(self, status: int, reason: str, message: str, retry_after_s: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.reason = reason  # queue_full | queue_timeout | shed | draining
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class Slot:
+    """One request's place upstream. `release()` is idempotent; the first call frees the place."""
+
+    __slots__ = ("_queue", "kv_tokens", "priority", "released", "t_granted_s")
+
+    def __init__(self, queue: AdmissionQueue, priority: str, kv_tokens: int, t_s: float):
+        self._queue = queue
+        self.priority = priority
+        self.kv_tokens = kv_tokens
+        self.t_granted_s = t_s
+        self.released = False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self._queue._on_release(self)
+
+
+@dataclass(slots=True)
+class _Waiter:
+    priority: str
+    kv_tokens: int
+    prefill_tokens: int
+    t_enqueued_s: float
+    future: asyncio.Future[Slot]
+    gone: bool = False
+
+
+@dataclass(slots=True)
+class QueueStats:
+    admitted_total: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PRIORITIES, 0))
+    rejected_total: dict[tuple[str, str], int] = field(default_factory=dict)
+    prefill_tokens_admitted_total: int = 0
+    queue_wait_s_total: float = 0.0
+
+
+class AdmissionQueue:
+    def __init__(
+        self,
+        limits: Limits,
+        *,
+        max_queue_len: int = 1_000,
+        max_wait_s: Mapping[str, float] | None = None,
+        valley_fill: bool = False,
+        fill_reserve_frac: float = 0.1,
+        prefill_burst_s: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limits = limits
+        self.max_queue_len = max_queue_len
+        waits = {"high": 30.0, "normal": 30.0, "low": 300.0 if valley_fill else 30.0}
+        waits.update(max_wait_s or {})
+        self.max_wait_s = waits
+        self.valley_fill = valley_fill
+        self.fill_reserve_frac = fill_reserve_frac
+        self.prefill_burst_s = prefill_burst_s
+        self._clock = clock
+        self._queues: dict[str, deque[_Waiter]] = {p: deque() for p in PRIORITIES}
+        self._live: dict[str, int] = dict.fromkeys(PRIORITIES, 0)
+        self.in_flight = 0
+        self.kv_in_flight = 0
+        self.stats = QueueStats()
+        self.draining = False
+        self._bucket = 0.0
+        self._bucket_t = clock()
+        self._wakeup: asyncio.TimerHandle | None = None
+        self._grant_rate = 1.0  # requests/s, EWMA: for a truthful Retry-After
+        self._last_grant_t = clock()
+        self._idle: asyncio.Event | None = None
+
+    # -- public -------------------------------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        return sum(self._live.values())
+
+    def queued_by_class(self) -> dict[str, int]:
+        return dict(self._live)
+
+    def set_limits(self, limits: Limits) -> None:
+        self.limits = limits
+        self._dispatch()
+
+    async def admit(self, priority: str, kv_tokens: int, prefill_tokens: int) -> Slot:
+        """Wait for a slot; raise Rejected when the request cannot be served in time."""
+        if self.draining:
+            raise self._reject(priority, 503, "draining", "server is shutting down")
+        now = self._clock()
+        if self.queued == 0 and self._fits(priority, kv_tokens, prefill_tokens, now):
+            return self._grant(priority, kv_tokens, prefill_tokens, now)
+        if self.queued >= self.max_queue_len and not self._shed_below(priority):
+            raise self._reject(
+                priority, 429, "queue_full", "admission queue is full", self.retry_after_s(priority)
+            )
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(priority, kv_tokens, prefill_tokens, now, loop.create_future())
+        self._queues[priority].append(waiter)
+        self._live[priority] += 1
+        timer = loop.call_later(self.max_wait_s[priority], self._expire, waiter)
+        try:
+            self._dispatch()
+            return await waiter.future
+        except asyncio.CancelledError:
+            fut = waiter.future
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                fut.result().release()  # granted just as the client went away
+            self._forget(waiter)
+            raise
+        finally:
+            timer.cancel()
+
+    def retry_after_s(self, priority: str) -> int:
+        """Seconds until a request of this class could expect a slot, from the recent grant rate."""
+        ahead = sum(self._live[p] for p in PRIORITIES[: rank(priority) + 1])
+        return int(min(60, max(1, math.ceil((ahead + 1) / max(self._grant_rate, 0.01)))))
+
+    async def wait_idle(self) -> None:
+        """Return once nothing is in flight (used to drain on shutdown)."""
+        if self.in_flight == 0:
+            return
+        self._idle = self._idle or asyncio.Event()
+        await self._idle.wait()
+
+    def drain(self) -> None:
+        """Stop admitting; answer everyone still queued with 503."""
+        self.draining = True
+        for q in self._queues.values():
+            while q:
+                w = q.popleft()
+                if not w.gone:
+                    w.gone = True
+                    self._live[w.priority] -= 1
+                    w.future.set_exception(
+                        self._reject(w.priority, 503, "draining", "server is shutting down")
+                    )
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _reject(
+        self, priority: str, status: int, reason: str, message: str, retry: int | None = None
+    ) -> Rejected:
+        key = (priority, reason)
+        self.stats.rejected_total[key] = self.stats.rejected_total.get(key, 0) + 1
+        return Rejected(status, reason, message, retry)
+
+    def _refill(self, now: float) -> None:
+        rate = self.limits.prefill_tok_s
+        if rate is None:
+            return
+        cap = rate * self.prefill_burst_s
+        self._bucket = min(cap, self._bucket + rate * (now - self._bucket_t))
+        self._bucket_t = now
+
+    def _fits(self, priority: str, kv_tokens: int, prefill_tokens: int, now: float) -> bool:
+        lim = self.limits
+        allowed = lim.max_requests
+        if self.valley_fill and priority == DEFERRABLE:
+            allowed -= math.ceil(self.fill_reserve_frac * lim.max_requests)
+        if self.in_flight >= max(allowed, 1):
+            return False
+        # One request always fits an empty upstream, however large, so nothing starves.
+        if self.in_flight and self.kv_in_flight + kv_tokens > lim.max_kv_tokens:
+            return False
+        if lim.prefill_tok_s is not None:
+            self._refill(now)
+            if self._bucket <= 0 and self.in_flight:
+                return False
+        return True
+
+    def _grant(self, priority: str, kv_tokens: int, prefill_tokens: int, now: float) -> Slot:
+        self.in_flight += 1
+        self.kv_in_flight += kv_tokens
+        if self.limits.prefill_tok_s is not None:
+            self._bucket -= prefill_tokens  # may go negative: a long prompt borrows ahead
+        self.stats.admitted_total[priority] += 1
+        self.stats.prefill_tokens_admitted_total += prefill_tokens
+        dt = max(now - self._last_grant_t, 1e-3)
+        self._grant_rate = 0.9 * self._grant_rate + 0.1 * min(1.0 / dt, 10_000.0)
+        self._last_grant_t = now
+        return Slot(self, priority, kv_tokens, now)
+
+    def _on_release(self, slot: Slot) -> None:
+        self.in_flight -= 1
+        self.kv_in_flight -= slot.kv_tokens
+        if self.in_flight == 0 and self._idle is not None:
+            self._idle.set()
+            self._idle = None
+        self._dispatch()
+
+    def _head(self) -> _Waiter | None:
+        for p in PRIORITIES:
+            q = self._queues[p]
+            while q and q[0].gone:
+                q.popleft()
+            if q:
+                return q[0]
+        return None
+
+    def _dispatch(self) -> None:
+        now = self._clock()
+        while (w := self._head()) is not None:
+            if not self._fits(w.priority, w.kv_tokens, w.prefill_tokens, now):
+                self._schedule_refill_wakeup()
+                return
+            self._queues[w.priority].popleft()
+            w.gone = True
+            self._live[w.priority] -= 1
+            self.stats.queue_wait_s_total += now - w.t_enqueued_s
+            w.future.set_result(self._grant(w.priority, w.kv_tokens, w.prefill_tokens, now))
+
+    def _schedule_refill_wakeup(self) -> None:
+        rate = self.limits.prefill_tok_s
+        if rate is None or self._bucket > 0 or self._wakeup is not None:
+            return
+        delay = max(-self._bucket / rate, 0.001)
+        self._wakeup = asyncio.get_running_loop().call_later(delay, self._on_wakeup)
+
+    def _on_wakeup(self) -> None:
+        self._wakeup = None
+        self._dispatch()
+
+    def _forget(self, w: _Waiter) -> None:
+        if not w.gone:
+            w.gone = True
+            self._live[w.priority] -= 1
+
+    def _expire(self, w: _Waiter) -> None:
+        if w.gone or w.future.done():
+            return
+        self._forget(w)
+        w.future.set_exception(
+            self._reject(
+                w.priority,
+                429,
+                "queue_timeout",
+                f"no capacity within {self.max_wait_s[w.priority]:.0f} s",
+                self.retry_after_s(w.priority),
+            )
+        )
+
+    def _shed_below(self, priority: str) -> bool:
+        """Make room by rejecting the newest waiter of the lowest class below `priority`."""
+        for p in reversed(PRIORITIES[rank(priority) + 1 :]):
+            q = self._queues[p]
+            for w in reversed(q):
+                if not w.gone:
+                    self._forget(w)
+                    w.future.set_exception(
+                        self._reject(
+                            p, 429, "shed", "shed for higher-priority work", self.retry_after_s(p)
+                        )
+                    )
+                    return True
+        return False

@@ -1,0 +1,332 @@
+"""The decision each tick: how many requests and KV tokens may be in flight, and how fast prefill.
+
+The seeds' framing: maximise work done subject to a power ceiling, a latency SLO and KV memory,
+pricing each constraint with a Lagrange multiplier that rises while it is violated and decays while
+it is slack. Concretely:
+
+* power: the learned model gives, along the current load's per-request shape, the largest batch
+  whose *upper* prediction bound stays under `ceiling - margin - λ_power`. λ_power (watts) is dual
+  ascent on the measured violation, so a model that is biased low is corrected by feedback.
+  A measured breach cuts the batch at once, without waiting for the model.
+* latency: λ_latency rises while p95 time per output token is over its SLO and shrinks the batch
+  multiplicatively; p95 TTFT over its SLO only speeds growth, because the ceiling always wins.
+* KV: λ_kv rises while the upstream's KV-cache usage is over target and shrinks the KV cap.
+
+Variance is kept low by bounded steps up, a dead band (hysteresis) between growing and shrinking,
+a batch that leads recent demand by a bounded factor (so a burst ramps in instead of landing at
+once), and a prefill pace: prefill bursts are the main source of spikes. The controller is pure:
+no clocks, no I/O, so the proxy, `powerbatch replay` and the vLLM plugin drive the same code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from powerbatch.control.config import ControlConfig
+from powerbatch.control.latency import LatencySnapshot
+from powerbatch.estimate import Features, PowerModel, PowerPrior
+
+CONSTRAINTS: tuple[str, ...] = ("power", "latency", "kv")
+BINDINGS: tuple[str, ...] = (
+    "none",
+    "power",
+    "latency",
+    "kv",
+    "max_batch",
+    "demand",
+    "sensor",
+    "warmup",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What admission enforces. `prefill_tok_s` None means prefill is not paced."""
+
+    max_requests: int
+    max_kv_tokens: int
+    prefill_tok_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the controller sees each tick; the caller smooths features like the power reading."""
+
+    t_s: float
+    power_w: float | None  # smoothed measured power; None when there is no trustworthy reading
+    sensor_ok: bool
+    features: Features
+    in_flight: int
+    queued: int
+    sensor_error: str | None = None
+    latency: LatencySnapshot | None = None
+    kv_cache_usage: float | None = None  # upstream's, 0..1
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    t_s: float
+    enforced: Limits  # what admission applies (in observe mode: the configured maxima)
+    proposed: Limits  # what the controller would enforce
+    state: str  # warmup | enforce | observe | fail_closed
+    binding: str  # one of BINDINGS: the constraint that sets the batch now
+    power_w: float | None
+    predicted_w: float  # model mean at the proposed batch
+    predicted_upper_w: float  # upper bound at the proposed batch
+    target_w: float
+    multipliers: dict[str, float] = field(default_factory=dict)
+    emergency: bool = False
+    reason: str = ""
+
+
+class Controller:
+    """Stateful across ticks; call `tick` at `config.tick_hz` with the latest observation."""
+
+    def __init__(self, config: ControlConfig, model: PowerModel | None = None) -> None:
+        self.config = config
+        self.model = model or PowerModel(
+            PowerPrior.from_ceiling(config.ceiling_w, config.max_batch, config.max_w),
+            window=config.model_window,
+            half_life_s=config.model_half_life_s,
+            confidence=config.confidence,
+        )
+        self._t0: float | None = None
+        self._batch = config.initial_batch
+        self._latency_batch = float(config.max_batch)
+        self._kv_scale = 1.0
+        self._lambda = dict.fromkeys(CONSTRAINTS, 0.0)
+        prior = self.model.prior
+        self._shape = Features(
+            1.0, prior.kv_tokens_per_request, 100.0, prior.decode_tok_s_per_request
+        )
+        self._demand: deque[tuple[float, int]] = deque()
+        self._grid = np.arange(config.min_batch, config.max_batch + 1)
+        self.last: Decision | None = None
+
+    @property
+    def multipliers(self) -> dict[str, float]:
+        return dict(self._lambda)
+
+    # -- pieces of the decision ---------------------------------------------------------------
+
+    def _learn_shape(self, f: Features) -> None:
+        if f.batch < 1:
+            return
+        per = f.per_request()
+        a = 0.1  # slow: the shape is the load mix, which changes over tens of ticks
+        s = self._shape
+        self._shape = Features(
+            1.0,
+            (1 - a) * s.kv_tokens + a * per.kv_tokens,
+            (1 - a) * s.prefill_tok_s + a * per.prefill_tok_s,
+            (1 - a) * s.decode_tok_s + a * per.decode_tok_s,
+        )
+
+    def _largest_batch_under(self, upper_w: np.ndarray, target_w: float) -> int:
+        """Largest batch such that it and every smaller batch is predicted under the target."""
+        over = np.nonzero(upper_w > target_w)[0]
+        if len(over) == 0:
+            return int(self._grid[-1])
+        if over[0] == 0:
+            return self.config.min_batch
+        return int(self._grid[over[0] - 1])
+
+    def _recent_peak_demand(self, t_s: float, demand: int) -> int:
+        self._demand.append((t_s, demand))
+        while self._demand and self._demand[0][0] < t_s - 10.0:
+            self._demand.popleft()
+        return max(d for _, d in self._demand)
+
+    def _update_latency(self, lat: LatencySnapshot | None, in_flight: int) -> None:
+        cfg = self.config
+        tpot = lat.tpot_p95_s if lat else None
+        if tpot is not None:
+            ratio = tpot / cfg.tpot_slo_s
+            self._lambda["latency"] = max(0.0, self._lambda["latency"] + 0.2 * (ratio - 1.0))
+            if ratio > 1.0:
+                base = min(self._latency_batch, float(max(in_flight, cfg.min_batch)))
+                self._latency_batch = base * (1.0 - 0.1 * min(ratio - 1.0, 1.0))
+            elif self._lambda["latency"] == 0.0:
+                self._latency_batch = min(float(cfg.max_batch), self._latency_batch * 1.05 + 1)
+        self._latency_batch = max(float(cfg.min_batch), self._latency_batch)
+
+    def _update_kv(self, usage: float | None) -> None:
+        if usage is None:
+            return
+        over = usage - self.config.kv_usage_target
+        self._lambda["kv"] = max(0.0, self._lambda["kv"] + over)
+        if over > 0:
+            self._kv_scale = max(0.1, self._kv_scale * 0.9)
+        elif self._lambda["kv"] == 0.0:
+            self._kv_scale = min(1.0, self._kv_scale * 1.02)
+
+    def _kv_limit(self, batch: int) -> int:
+        # Leads the batch by 25% so a shift to longer contexts is capped before power shows it.
+        by_shape = 1.25 * batch * self._shape.kv_tokens * self._kv_scale
+        return int(min(self.config.max_kv_tokens, max(by_shape, self._shape.kv_tokens)))
+
+    def _prefill_pace(self, batch: int, target_w: float) -> float | None:
+        cfg = self.config
+        if not cfg.prefill_pacing:
+            return None
+        steady = max(self._shape.prefill_tok_s * batch, cfg.min_prefill_tok_s)
+        rates = steady * np.array([1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0])
+        at_batch = self._shape.scaled(float(batch))
+        upper = self.model.predict([at_batch.with_prefill(float(r)) for r in rates]).upper_w
+        ok = rates[upper <= target_w]
+        best = float(ok.max()) if len(ok) else steady
+        return max(best, 1.1 * steady)
+
+    # -- the tick -----------------------------------------------------------------------------
+
+    def tick(self, obs: Observation) -> Decision:
+        cfg = self.config
+        if self._t0 is None:
+            self._t0 = obs.t_s
+        warming = obs.t_s - self._t0 < cfg.warmup_s
+
+        if not obs.sensor_ok or obs.power_w is None or not math.isfinite(obs.power_w):
+            # Fail closed: no trustworthy watts, so no growth and a small batch until they return.
+            self._batch = min(self._batch, cfg.safe_batch)
+            limits = Limits(self._batch, self._kv_limit(self._batch), cfg.min_prefill_tok_s)
+            return self._decide(
+                obs,
+                limits,
+                "fail_closed",
+                "sensor",
+                math.nan,
+                math.nan,
+                math.nan,
+                reason=f"no trustworthy power reading ({obs.sensor_error or 'unknown'}); "
+                f"batch held at safe limit {cfg.safe_batch}",
+            )
+
+        power_w = obs.power_w
+        self.model.observe(obs.t_s, obs.features, power_w)
+        self._learn_shape(obs.features)
+        goal_w = cfg.ceiling_w - cfg.margin
+        if not warming:
+            lam = self._lambda["power"] + cfg.power_gain * (power_w - goal_w)
+            self._lambda["power"] = min(max(lam, 0.0), 0.25 * cfg.ceiling_w)
+            self._update_latency(obs.latency, obs.in_flight)
+            self._update_kv(obs.kv_cache_usage)
+        target_w = goal_w - self._lambda["power"]
+
+        pred = self.model.predict([self._shape.scaled(float(n)) for n in self._grid])
+        n_power = self._largest_batch_under(pred.upper_w, target_w)
+        n_grow = self._largest_batch_under(pred.upper_w, target_w - cfg.hysteresis)
+        n_latency = int(self._latency_batch)
+        peak = self._recent_peak_demand(obs.t_s, obs.in_flight + obs.queued)
+        n_demand = max(cfg.initial_batch, math.ceil(peak * cfg.demand_headroom) + 2)
+        caps = {
+            "power": n_power,
+            "latency": n_latency,
+            "demand": n_demand,
+            "max_batch": cfg.max_batch,
+        }
+        binding = min(caps, key=lambda k: caps[k])
+        ceiling_n = caps[binding]
+
+        emergency = power_w > cfg.ceiling_w
+        current = self._batch
+        if emergency:
+            cut = math.floor(min(current, max(obs.in_flight, 1)) * cfg.emergency_cut)
+            new = max(cfg.min_batch, min(cut, ceiling_n))
+            binding = "power"
+        elif warming:
+            new = min(cfg.initial_batch, ceiling_n)
+        elif ceiling_n < current:
+            new = ceiling_n
+        else:
+            step = max(1, math.ceil(current * cfg.step_up_frac))
+            ttft = obs.latency.ttft_p95_s if obs.latency else None
+            if ttft is not None and ttft > cfg.ttft_slo_s and binding != "power":
+                step *= 2  # queueing delay is hurting first tokens and watts allow: grow faster
+            grow_to = min(ceiling_n, n_grow if binding in ("power", "demand") else ceiling_n)
+            new = max(current, min(grow_to, current + step))
+        self._batch = max(cfg.min_batch, min(new, cfg.max_batch))
+
+        if binding == "demand" and obs.queued == 0:
+            binding = "none"
+        if warming:
+            state, binding = "warmup", "warmup" if not emergency else binding
+        else:
+            state = cfg.mode
+        idx = self._batch - cfg.min_batch
+        mean_w, upper_w = float(pred.mean_w[idx]), float(pred.upper_w[idx])
+        limits = Limits(
+            self._batch, self._kv_limit(self._batch), self._prefill_pace(self._batch, target_w)
+        )
+        return self._decide(
+            obs,
+            limits,
+            state,
+            binding,
+            mean_w,
+            upper_w,
+            target_w,
+            emergency=emergency,
+            reason=self._explain(binding, emergency, obs),
+        )
+
+    def _explain(self, binding: str, emergency: bool, obs: Observation) -> str:
+        cfg = self.config
+        if emergency:
+            return (
+                f"measured {obs.power_w:.0f} W over the {cfg.ceiling_w:.0f} W ceiling: cut at once"
+            )
+        lat = obs.latency
+        ttft = lat.ttft_p95_s if lat else None
+        if binding == "power" and ttft is not None and ttft > cfg.ttft_slo_s:
+            return (
+                f"ceiling holds over latency: p95 TTFT {ttft:.2f} s > SLO {cfg.ttft_slo_s:.2f} s; "
+                "queueing and shedding by priority"
+            )
+        return {
+            "power": "the power ceiling sets the batch",
+            "latency": "p95 time per output token sets the batch",
+            "kv": "upstream KV-cache usage sets the KV cap",
+            "max_batch": "at the configured maximum batch",
+            "none": "demand is below every limit",
+            "demand": "batch follows demand",
+            "warmup": "silent warm-up: learning the plant at the initial batch",
+        }.get(binding, binding)
+
+    def _decide(
+        self,
+        obs: Observation,
+        proposed: Limits,
+        state: str,
+        binding: str,
+        mean_w: float,
+        upper_w: float,
+        target_w: float,
+        *,
+        emergency: bool = False,
+        reason: str = "",
+    ) -> Decision:
+        cfg = self.config
+        if cfg.mode == "observe":
+            enforced = Limits(cfg.max_batch, cfg.max_kv_tokens, None)
+        else:
+            enforced = proposed
+        decision = Decision(
+            t_s=obs.t_s,
+            enforced=enforced,
+            proposed=proposed,
+            state=state,
+            binding=binding,
+            power_w=obs.power_w,
+            predicted_w=mean_w,
+            predicted_upper_w=upper_w,
+            target_w=target_w,
+            multipliers=dict(self._lambda),
+            emergency=emergency,
+            reason=reason,
+        )
+        self.last = decision
+        return decision

@@ -1,0 +1,47 @@
+"""Every exception powerbatch raises, in one tree.
+
+    PowerbatchError
+    ├── ConfigError                 bad settings; raised at start-up, never at run time
+    ├── TelemetryError              a power reading could not be had
+    │   ├── SensorUnavailable       no device / endpoint / library (e.g. no NVML driver)
+    │   ├── SensorReadError         the source answered, but not with a usable sample
+    │   └── StaleSample             the newest sample is older than allowed
+    ├── PowerLimitError             the hardware power limit could not be set or restored
+    └── ReplayError                 a recorded trace is malformed
+
+The controller treats any TelemetryError as "no trustworthy reading" and fails closed.
+"""
+
+from __future__ import annotations
+
+
+class PowerbatchError(Exception):
+    """Base of everything powerbatch raises on purpose."""
+
+
+class ConfigError(PowerbatchError):
+    """Settings that cannot work together, or a value out of range."""
+
+
+class TelemetryError(PowerbatchError):
+    """A power reading could not be had."""
+
+
+class SensorUnavailable(TelemetryError):
+    """The source itself is missing: no driver, no GPU at that index, endpoint refused."""
+
+
+class SensorReadError(TelemetryError):
+    """The source answered but gave nothing usable (parse error, missing metric, NaN)."""
+
+
+class StaleSample(TelemetryError):
+    """The newest sample is older than the configured staleness limit."""
+
+
+class PowerLimitError(PowerbatchError):
+    """The hardware power limit could not be read, set or restored."""
+
+
+class ReplayError(PowerbatchError):
+    """A recorded trace could not be read."""

@@ -1,0 +1,170 @@
+"""Online regression of measured power on the operating point, with an upper prediction bound.
+
+Weighted least squares (statsmodels) over a sliding window whose weights halve every
+`half_life_s`, so the model follows a plant that drifts (thermals, a new model, a new load mix)
+and forgets what no longer holds. A weak prior, written as a few pseudo-observations, anchors
+predictions before data arrives and where the data never went: it is generic (idle near 11% of the
+power limit, concave growth with batch, prefill toward the limit) and is outweighed within seconds.
+Nothing here knows the simulator's formulas; the controller trusts only what this model learns.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import statsmodels.api as sm
+from numpy.typing import NDArray
+from scipy import stats
+from statsmodels.tools.sm_exceptions import SingularMatrixWarning
+
+from powerbatch.estimate.features import REGRESSORS, Features, design_matrix, design_row
+
+# Facts file: a safe default cap is about 70% of TDP; idle H200 draws about 78 W of 700 W.
+_CEILING_OVER_TDP = 0.7
+_IDLE_OVER_TDP = 0.11
+
+
+@dataclass(frozen=True, slots=True)
+class PowerPrior:
+    """A generic guess at the plant, used only until data says otherwise."""
+
+    idle_w: float
+    max_w: float
+    max_batch: int
+    weight: float = 3.0  # total weight of the prior, in fresh samples
+    kv_tokens_per_request: float = 1_000.0
+    decode_tok_s_per_request: float = 30.0
+    heavy_prefill_tok_s: float = 20_000.0
+
+    @classmethod
+    def from_ceiling(
+        cls, ceiling_w: float, max_batch: int, max_w: float | None = None
+    ) -> PowerPrior:
+        tdp_w = max_w if max_w is not None else ceiling_w / _CEILING_OVER_TDP
+        return cls(idle_w=_IDLE_OVER_TDP * tdp_w, max_w=tdp_w, max_batch=max_batch)
+
+    def points(self) -> list[tuple[Features, float]]:
+        span = math.log2(1 + self.max_batch)
+        out: list[tuple[Features, float]] = []
+        for batch in sorted({0, 1, 4, 16, 64, self.max_batch}):
+            base_w = self.idle_w + (0.85 * self.max_w - self.idle_w) * math.log2(1 + batch) / span
+            for prefill in (0.0, self.heavy_prefill_tok_s):
+                if batch == 0 and prefill:
+                    continue
+                power_w = base_w + (self.max_w - base_w) * (prefill / self.heavy_prefill_tok_s)
+                f = Features(
+                    float(batch),
+                    batch * self.kv_tokens_per_request,
+                    prefill,
+                    batch * self.decode_tok_s_per_request,
+                )
+                out.append((f, power_w))
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    mean_w: NDArray[np.float64]
+    upper_w: NDArray[np.float64]
+
+
+class PowerModel:
+    """Sliding-window WLS of power on `Features`, refit lazily when asked to predict."""
+
+    def __init__(
+        self,
+        prior: PowerPrior,
+        *,
+        window: int = 1_200,
+        half_life_s: float = 60.0,
+        confidence: float = 0.95,
+    ) -> None:
+        if not 0.5 < confidence < 1.0:
+            raise ValueError("confidence must be in (0.5, 1)")
+        self.prior = prior
+        self.half_life_s = half_life_s
+        self.confidence = confidence
+        self._t: deque[float] = deque(maxlen=window)
+        self._x: deque[NDArray[np.float64]] = deque(maxlen=window)
+        self._y: deque[float] = deque(maxlen=window)
+        prior_points = prior.points()
+        self._prior_x = design_matrix([f for f, _ in prior_points])
+        self._prior_y = np.array([p for _, p in prior_points])
+        self._prior_w = np.full(len(prior_points), prior.weight / len(prior_points))
+        self._result: sm.regression.linear_model.RegressionResults | None = None
+        self._noise_var = 0.0
+        self._noise_df = 1.0
+        self._dirty = True
+
+    @property
+    def n_samples(self) -> int:
+        return len(self._y)
+
+    def observe(self, t_s: float, features: Features, power_w: float) -> None:
+        if not math.isfinite(power_w):
+            return
+        self._t.append(t_s)
+        self._x.append(design_row(features))
+        self._y.append(power_w)
+        self._dirty = True
+
+    def _fit(self) -> sm.regression.linear_model.RegressionResults:
+        if self._result is not None and not self._dirty:
+            return self._result
+        if self._y:
+            t = np.fromiter(self._t, float, len(self._t))
+            w = np.exp2(-(t[-1] - t) / self.half_life_s)
+            xs = np.vstack(self._x)
+            ys = np.fromiter(self._y, float, len(self._y))
+            x = np.vstack([self._prior_x, xs])
+            y = np.concatenate([self._prior_y, ys])
+            weights = np.concatenate([self._prior_w, w])
+        else:
+            x, y, weights = self._prior_x, self._prior_y, self._prior_w
+        with warnings.catch_warnings():
+            # Rank deficiency is expected (kv and decode move with batch); pinv copes with it.
+            warnings.simplefilter("ignore", SingularMatrixWarning)
+            self._result = result = sm.WLS(y, x, weights=weights).fit()
+        self._noise_var, self._noise_df = float(result.scale), float(result.df_resid)
+        if self._y:
+            # The noise of a fresh reading comes from real readings only: the prior's misfit is
+            # not sensor noise and would widen every bound. Weights here mean recency, so the
+            # variance is their weighted mean square, corrected by the effective sample count.
+            resid = ys - np.asarray(result.predict(xs))
+            n_eff = w.sum() ** 2 / (w**2).sum()
+            df = n_eff - result.df_model - 1
+            if df >= 3:
+                var = float((w * resid**2).sum() / w.sum()) * n_eff / df
+                self._noise_var, self._noise_df = max(var, 1e-6), df
+        self._dirty = False
+        return result
+
+    def predict(self, points: Sequence[Features]) -> Prediction:
+        """Mean and one-sided upper bound (at `confidence`) for a fresh reading at each point."""
+        result = self._fit()
+        x = design_matrix(list(points))
+        pred = result.get_prediction(x, weights=np.ones(len(x)))
+        mean = np.asarray(pred.predicted_mean)
+        # statsmodels' parameter uncertainty, rescaled to the noise of real readings.
+        se_mean = np.asarray(pred.se_mean) * math.sqrt(self._noise_var / max(result.scale, 1e-12))
+        quantile = float(stats.t.ppf(self.confidence, self._noise_df))
+        upper = mean + quantile * np.sqrt(se_mean**2 + self._noise_var)
+        return Prediction(mean_w=mean, upper_w=upper)
+
+    def predict_one(self, point: Features) -> tuple[float, float]:
+        p = self.predict([point])
+        return float(p.mean_w[0]), float(p.upper_w[0])
+
+    def coefficients(self) -> dict[str, float]:
+        """Fitted coefficients by regressor name (scaled units; for status and debugging)."""
+        params = self._fit().params
+        return {name: float(v) for name, v in zip(REGRESSORS, params, strict=True)}
+
+    def residual_std_w(self) -> float:
+        self._fit()
+        return math.sqrt(self._noise_var)

@@ -1,0 +1,159 @@
+"""An async OpenAI-API load client: sends a planned load and records what a user would see."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from powerbatch.load.profile import PlannedRequest
+
+_FIRST_TOKEN = re.compile(rb'"(?:content|text)":"[^"]')
+
+
+@dataclass(frozen=True, slots=True)
+class RequestResult:
+    t_start_s: float  # offset from the start of the run, as sent
+    priority: str
+    phase: int
+    status: int  # HTTP status; 0 when the connection failed; 599 when a stream broke
+    ttft_s: float | None
+    e2e_s: float
+    prompt_tokens: int
+    output_tokens: int
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def chat_body(req: PlannedRequest, model: str) -> bytes:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "tok " * req.prompt_tokens}],
+        "max_tokens": req.max_tokens,
+        "stream": req.stream,
+    }
+    if req.stream:
+        body["stream_options"] = {"include_usage": True}
+    return json.dumps(body).encode()
+
+
+async def send_one(
+    session: aiohttp.ClientSession, base_url: str, req: PlannedRequest, t_run0: float, model: str
+) -> RequestResult:
+    t0 = time.monotonic()
+    headers = {"Content-Type": "application/json", "x-priority": req.priority}
+    ttft: float | None = None
+    tokens = 0
+    try:
+        async with session.post(
+            base_url.rstrip("/") + "/v1/chat/completions",
+            data=chat_body(req, model),
+            headers=headers,
+        ) as resp:
+            if resp.status != 200:
+                text = await resp.text()
+                return RequestResult(
+                    t0 - t_run0,
+                    req.priority,
+                    req.phase,
+                    resp.status,
+                    None,
+                    time.monotonic() - t0,
+                    req.prompt_tokens,
+                    0,
+                    text[:200],
+                )
+            if not req.stream:
+                payload = await resp.json()
+                e2e = time.monotonic() - t0
+                tokens = int(payload.get("usage", {}).get("completion_tokens", 0))
+                return RequestResult(
+                    t0 - t_run0, req.priority, req.phase, 200, e2e, e2e, req.prompt_tokens, tokens
+                )
+            tail = b""
+            async for chunk in resp.content.iter_any():
+                if ttft is None and _FIRST_TOKEN.search(chunk):
+                    ttft = time.monotonic() - t0
+                tail = (tail + chunk)[-2048:]
+            error = None
+            if b'"error"' in tail:
+                error = "error event in stream"
+            for event in reversed(tail.split(b"\n\n")):
+                if event.startswith(b"data: {") and b'"usage"' in event:
+                    usage = json.loads(event[6:]).get("usage") or {}
+                    tokens = int(usage.get("completion_tokens") or 0)
+                    break
+            return RequestResult(
+                t0 - t_run0,
+                req.priority,
+                req.phase,
+                599 if error else 200,
+                ttft,
+                time.monotonic() - t0,
+                req.prompt_tokens,
+                tokens,
+                error,
+            )
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        return RequestResult(
+            t0 - t_run0,
+            req.priority,
+            req.phase,
+            0,
+            ttft,
+            time.monotonic() - t0,
+            req.prompt_tokens,
+            tokens,
+            f"{type(exc).__name__}: {exc}",
+        )
+
+
+async def run_load(
+    base_url: str,
+    plan: list[PlannedRequest],
+    *,
+    model: str = "sim-llama",
+    drain_timeout_s: float = 120.0,
+    on_result: Callable[[RequestResult], None] | None = None,
+) -> list[RequestResult]:
+    """Send each planned request at its offset; wait for answers up to drain_timeout_s after."""
+    results: list[RequestResult] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t_run0 = time.monotonic()
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(req: PlannedRequest) -> None:
+            result = await send_one(session, base_url, req, t_run0, model)
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
+
+        for req in plan:
+            delay = t_run0 + req.t_s - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(one(req))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        if tasks:
+            _done, pending = await asyncio.wait(tasks, timeout=drain_timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+    return results

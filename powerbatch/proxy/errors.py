@@ -1,0 +1,53 @@
+"""Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    500: "server_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "upstream_timeout",
+}
+
+
+def error_body(
+    status: int, message: str, *, code: str | None = None, param: str | None = None
+) -> dict[str, dict[str, str | None]]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    param: str | None = None,
+    retry_after_s: int | None = None,
+) -> web.Response:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return web.json_response(
+        error_body(status, message, code=code, param=param), status=status, headers=headers
+    )
+
+
+def sse_error_event(status: int, message: str, code: str | None = None) -> bytes:
+    """An error sent inside a stream already under way, as vLLM does: a data event."""
+    return b"data: " + json.dumps(error_body(status, message, code=code)).encode() + b"\n\n"

@@ -1,0 +1,96 @@
+"""Just enough of a request to decide on it: streaming or not, and a KV-token estimate.
+
+The body is forwarded byte for byte; this only reads it. Prompt tokens are estimated from the
+text length (about 4 characters a token for English BPE tokenizers): the decision needs a size,
+not a tokenizer, and a tokenizer per model would put milliseconds on the hot path.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+CHARS_PER_TOKEN = 4
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    stream: bool
+    prompt_tokens: int
+    max_tokens: int
+
+    @property
+    def kv_tokens(self) -> int:
+        """What the request may hold in the KV cache at its end."""
+        return self.prompt_tokens + self.max_tokens
+
+
+def _text_len(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(_text_len(v) for v in value)
+    if isinstance(value, dict):
+        # chat content parts: {"type": "text", "text": ...}; other parts count by their text
+        return sum(_text_len(v) for k, v in value.items() if k in ("content", "text"))
+    return 0
+
+
+def _positive_int(body: dict[str, Any], key: str, limit: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{key} must be an integer", key)
+    if value < 1:
+        raise BadRequest(f"{key} must be at least 1", key)
+    if value > limit:
+        raise BadRequest(f"{key} must be at most {limit}", key)
+    return value
+
+
+def parse_request(
+    raw: bytes, *, chat: bool, default_max_tokens: int, max_tokens_limit: int
+) -> RequestInfo:
+    """Validate the fields a decision needs; raise BadRequest with an OpenAI-style param."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    if not isinstance(body.get("model", ""), str):
+        raise BadRequest("model must be a string", "model")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream must be a boolean", "stream")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty array", "messages")
+        if not all(isinstance(m, dict) for m in messages):
+            raise BadRequest("each message must be an object", "messages")
+        chars = _text_len(messages)
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
+            raise BadRequest("prompt must be a string or a non-empty array", "prompt")
+        if isinstance(prompt, list) and all(isinstance(p, int) for p in prompt):
+            chars = CHARS_PER_TOKEN * len(prompt)  # already token ids
+        else:
+            chars = _text_len(prompt)
+    max_tokens = _positive_int(body, "max_completion_tokens", max_tokens_limit)
+    if max_tokens is None:
+        max_tokens = _positive_int(body, "max_tokens", max_tokens_limit)
+    return RequestInfo(
+        stream=stream,
+        prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
+        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+    )

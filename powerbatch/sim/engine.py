@@ -1,0 +1,581 @@
+"""A vLLM-like continuous-batching engine driving the GPU model in real (monotonic) time.
+
+The scheduler follows vLLM's V1 `Scheduler.schedule()` in outline: running requests first (decode
+one token, or continue a chunked prefill), then admit from a FIFO waiting queue while the step
+token budget, `max_num_seqs` and free KV blocks allow; when a running request cannot grow, the most
+recently admitted one is preempted by recompute. Output length is always `max_tokens` (benchmarks'
+ignore_eos), so the load is deterministic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from powerbatch.errors import ConfigError, PowerbatchError, PowerLimitError
+from powerbatch.sim.gpu_model import (
+    DEFAULT_KV_CAPACITY_TOKENS,
+    DEFAULT_PROFILE,
+    PROFILES,
+    GpuProfile,
+    noisy_readings_w,
+    step_time_s,
+)
+
+_log = logging.getLogger(__name__)
+
+__all__ = [
+    "EngineStopped",
+    "QueueFull",
+    "RequestTooLarge",
+    "SimEngine",
+    "SimRequest",
+    "StepRecord",
+    "resolve_profile",
+]
+
+
+class QueueFull(PowerbatchError):
+    """The waiting queue is at `max_num_queued_reqs` (vLLM answers 503)."""
+
+
+class RequestTooLarge(PowerbatchError):
+    """The request could never fit in the KV cache."""
+
+
+class EngineStopped(PowerbatchError):
+    """The engine stopped before the request finished."""
+
+
+def resolve_profile(profile: GpuProfile | str) -> GpuProfile:
+    if isinstance(profile, GpuProfile):
+        return profile
+    try:
+        return PROFILES[profile]
+    except KeyError:
+        raise ConfigError(f"unknown GPU profile {profile!r}; known: {sorted(PROFILES)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One trace entry: an engine step, or an idle stretch (no prefill or decode tokens)."""
+
+    t_s: float
+    step_s: float
+    power_w: float
+    running: int
+    waiting: int
+    kv_tokens: int
+    prefill_tokens: int
+    decode_tokens: int
+    energy_j: float
+    """Cumulative energy at the end of this entry."""
+
+
+class SimRequest:
+    """One request's state and its token channel (a single consumer awaits `wait_tokens`)."""
+
+    __slots__ = (
+        "_notify_at",
+        "_waiter",
+        "arrival_s",
+        "blocks",
+        "finish_reason",
+        "finish_s",
+        "first_token_s",
+        "max_tokens",
+        "num_computed",
+        "num_output",
+        "preemptions",
+        "prompt_tokens",
+        "request_id",
+    )
+
+    def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int, now_s: float) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.arrival_s = now_s
+        self.num_computed = 0
+        self.num_output = 0
+        self.blocks = 0
+        self.preemptions = 0
+        self.first_token_s: float | None = None
+        self.finish_s: float | None = None
+        self.finish_reason: str | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._notify_at = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def seq_tokens(self) -> int:
+        return self.prompt_tokens + self.num_output
+
+    async def wait_tokens(self, at_least: int) -> int:
+        """Wait until `at_least` tokens exist or the request ends; return the token count.
+
+        The engine wakes the consumer only at that threshold, so coalesced streaming costs one
+        wake-up per chunk, not per token.
+        """
+        while self.num_output < at_least and self.finish_reason is None:
+            self._notify_at = at_least
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self.finish_reason == "stopped":
+            raise EngineStopped(f"request {self.request_id}: engine stopped")
+        return self.num_output
+
+    def _notify(self, force: bool = False) -> None:
+        waiter = self._waiter
+        if (
+            waiter is not None
+            and not waiter.done()
+            and (force or self.num_output >= self._notify_at)
+        ):
+            waiter.set_result(None)
+
+
+class SimEngine:
+    """Simulated vLLM engine + GPU set. Start it with `await start()` inside an event loop.
+
+    `step()` runs one step synchronously on the engine's own clock without sleeping, for tests and
+    offline use; do not mix it with a started engine.
+    """
+
+    def __init__(
+        self,
+        profile: GpuProfile | str = DEFAULT_PROFILE,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
+        block_size: int = 16,
+        max_num_queued_reqs: int | None = None,
+        power_limit_w: float | None = None,
+        seed: int = 0,
+        trace_capacity: int = 200_000,
+        max_lag_s: float = 0.25,
+    ) -> None:
+        self.profile = resolve_profile(profile)
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("kv_capacity_tokens", kv_capacity_tokens),
+            ("block_size", block_size),
+            ("trace_capacity", trace_capacity),
+        ):
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        if max_num_queued_reqs is not None and max_num_queued_reqs < 0:
+            raise ConfigError(f"max_num_queued_reqs must be >= 0, got {max_num_queued_reqs}")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_size = block_size
+        self.num_blocks = kv_capacity_tokens // block_size
+        self.kv_capacity_tokens = self.num_blocks * block_size
+        self.max_num_queued_reqs = max_num_queued_reqs
+        self.max_lag_s = max_lag_s
+        self._power_limit_w = self.profile.tdp_w
+        if power_limit_w is not None:
+            self.power_limit_w = power_limit_w
+        self._rng = np.random.default_rng(seed)
+        self._ids = itertools.count()
+
+        self._waiting: deque[SimRequest] = deque()
+        self._running: list[SimRequest] = []
+        self._by_id: dict[str, SimRequest] = {}
+        self._free_blocks = self.num_blocks
+
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.preemptions_total = 0
+        self.steps_total = 0
+        self.requests_finished = 0
+        self.requests_aborted = 0
+        self.trace: deque[StepRecord] = deque(maxlen=trace_capacity)
+
+        # The energy timeline: contiguous segments; the open one is [seg_t0, seg_t1) at seg_power.
+        now = time.monotonic()
+        self._t_start = now
+        self._clock_s = now  # end of the last closed segment: the engine's own time
+        self._energy_j = 0.0  # at _clock_s
+        self._seg_t1: float | None = None  # None: idle, open-ended
+        self._seg_power_w = self.profile.idle_w
+        self._history: deque[tuple[float, float, float]] = deque()  # closed (t0, e0, power_w)
+
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopped = False
+
+    # ---- configuration -------------------------------------------------------------------
+
+    @property
+    def power_limit_w(self) -> float:
+        return self._power_limit_w
+
+    @power_limit_w.setter
+    def power_limit_w(self, value: float) -> None:
+        """Like nvmlDeviceSetPowerManagementLimit: out-of-range values are refused (facts, NVML)."""
+        if not (math.isfinite(value) and 0.0 < value <= self.profile.tdp_w):
+            raise PowerLimitError(
+                f"power limit must be in (0, {self.profile.tdp_w:g}] W, got {value!r}"
+            )
+        self._power_limit_w = float(value)
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt_tokens: int, max_tokens: int, request_id: str | None = None
+    ) -> SimRequest:
+        if prompt_tokens < 1 or max_tokens < 1:
+            raise RequestTooLarge("prompt_tokens and max_tokens must be >= 1")
+        if self._stopped:
+            raise EngineStopped("engine is stopped")
+        if prompt_tokens + max_tokens > self.kv_capacity_tokens:
+            raise RequestTooLarge(
+                f"{prompt_tokens + max_tokens} tokens exceed the KV capacity "
+                f"({self.kv_capacity_tokens} tokens)"
+            )
+        if self.max_num_queued_reqs is not None and len(self._waiting) >= self.max_num_queued_reqs:
+            raise QueueFull(f"waiting queue is full ({self.max_num_queued_reqs} requests)")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._by_id:
+            raise ConfigError(f"duplicate request id {rid!r}")
+        req = SimRequest(rid, prompt_tokens, max_tokens, time.monotonic())
+        self._by_id[rid] = req
+        self._waiting.append(req)
+        self._wake.set()
+        return req
+
+    def abort(self, request: SimRequest | str) -> bool:
+        """Drop a request wherever it is and free its KV; False if it had already ended."""
+        req = self._by_id.get(request) if isinstance(request, str) else request
+        if req is None or req.finished:
+            return False
+        if req in self._running:
+            self._running.remove(req)
+        else:
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(req)
+        self._end(req, "abort")
+        self.requests_aborted += 1
+        return True
+
+    def _end(self, req: SimRequest, reason: str) -> None:
+        self._free_blocks += req.blocks
+        req.blocks = 0
+        req.finish_reason = reason
+        req.finish_s = time.monotonic()
+        self._by_id.pop(req.request_id, None)
+        req._notify(force=True)
+
+    # ---- state ---------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV tokens held, counted in whole blocks as vLLM's block manager does."""
+        return (self.num_blocks - self._free_blocks) * self.block_size
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self._free_blocks / self.num_blocks
+
+    def power_w(self) -> float:
+        """True power of the GPU set right now (no sensor noise)."""
+        return self._seg_power_w
+
+    def energy_j(self, at_s: float | None = None) -> float:
+        """Cumulative energy (true power, idle included) since the engine was made."""
+        t = time.monotonic() if at_s is None else at_s
+        if t >= self._clock_s:
+            end = t if self._seg_t1 is None else min(t, self._seg_t1)
+            return self._energy_j + self._seg_power_w * max(0.0, end - self._clock_s)
+        for t0, e0, p in reversed(self._history):
+            if t >= t0:
+                return e0 + p * (t - t0)
+        return 0.0
+
+    def average_power_w(self, window_s: float = 1.0) -> float:
+        """Mean true power over the last `window_s`: what nvmlDeviceGetPowerUsage gives on Hopper
+        (facts: a 1-second average)."""
+        now = time.monotonic()
+        start = max(now - window_s, self._t_start)
+        if now <= start:
+            return self._seg_power_w
+        return (self.energy_j(now) - self.energy_j(start)) / (now - start)
+
+    def instant_power_per_gpu_w(self) -> list[float]:
+        """Noisy instant readings, one per GPU (NVML_FI_DEV_POWER_INSTANT); draws from the RNG."""
+        return noisy_readings_w(self.profile, self._seg_power_w, self._rng)
+
+    def instant_power_w(self) -> float:
+        return sum(self.instant_power_per_gpu_w())
+
+    def trace_since(self, since_s: float = -math.inf) -> Iterator[StepRecord]:
+        """Trace entries starting at or after `since_s` (time.monotonic())."""
+        return (r for r in self.trace if r.t_s >= since_s)
+
+    def snapshot(self) -> dict[str, float | int | str]:
+        return {
+            "t_s": time.monotonic(),
+            "profile": self.profile.name,
+            "num_gpus": self.profile.num_gpus,
+            "tdp_w": self.profile.tdp_w,
+            "power_limit_w": self._power_limit_w,
+            "power_w": self._seg_power_w,
+            "power_avg_w": self.average_power_w(),
+            "energy_j": self.energy_j(),
+            "running": self.num_running,
+            "waiting": self.num_waiting,
+            "kv_tokens": self.kv_tokens,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "kv_usage": self.kv_usage,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "preemptions_total": self.preemptions_total,
+            "steps_total": self.steps_total,
+            "requests_finished": self.requests_finished,
+            "requests_aborted": self.requests_aborted,
+        }
+
+    # ---- the energy timeline -------------------------------------------------------------
+
+    def _close_segment(self, t1: float, record: StepRecord | None) -> None:
+        t0 = self._clock_s
+        self._history.append((t0, self._energy_j, self._seg_power_w))
+        self._energy_j += self._seg_power_w * max(0.0, t1 - t0)
+        self._clock_s = t1
+        while len(self._history) > 1 and self._history[1][0] <= t1 - 2.0:
+            self._history.popleft()
+        if record is not None:
+            self.trace.append(record)
+
+    def _close_idle(self, t1: float) -> None:
+        """End an idle stretch at `t1` and trace it (zero-length stretches are skipped)."""
+        if self._seg_t1 is not None or t1 <= self._clock_s:
+            return
+        t0 = self._clock_s
+        e1 = self._energy_j + self._seg_power_w * (t1 - t0)
+        rec = StepRecord(t0, t1 - t0, self._seg_power_w, 0, 0, 0, 0, 0, e1)
+        self._close_segment(t1, rec)
+
+    def _open_idle(self) -> None:
+        self._seg_t1 = None
+        self._seg_power_w = self.profile.idle_w
+
+    # ---- scheduling ----------------------------------------------------------------------
+
+    def _try_allocate(self, req: SimRequest, num_tokens: int) -> bool:
+        needed = -(-(req.num_computed + num_tokens) // self.block_size) - req.blocks
+        if needed > self._free_blocks:
+            return False
+        if needed > 0:
+            req.blocks += needed
+            self._free_blocks -= needed
+        return True
+
+    def _preempt(self, req: SimRequest) -> None:
+        """Recompute preemption: free KV, forget computed tokens, go to the queue's front."""
+        self._free_blocks += req.blocks
+        req.blocks = 0
+        req.num_computed = 0
+        req.preemptions += 1
+        self.preemptions_total += 1
+        self._waiting.appendleft(req)
+
+    def _schedule(self) -> tuple[list[tuple[SimRequest, int]], int, int]:
+        """Pick this step's work: (scheduled (request, tokens), prefill tokens, decode count)."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[SimRequest, int]] = []
+        prefill = 0
+        decode = 0
+        preempted = False
+        running = self._running
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = min(req.seq_tokens - req.num_computed, budget)
+            while not self._try_allocate(req, n):
+                victim = running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                if n == 1 and req.num_output > 0:
+                    decode += 1
+                else:
+                    prefill += n
+                i += 1
+        if not preempted:
+            waiting = self._waiting
+            while waiting and len(running) < self.max_num_seqs and budget > 0:
+                req = waiting[0]
+                n = min(req.seq_tokens - req.num_computed, budget)
+                if not self._try_allocate(req, n):
+                    break
+                waiting.popleft()
+                running.append(req)
+                scheduled.append((req, n))
+                budget -= n
+                prefill += n
+        return scheduled, prefill, decode
+
+    def _complete(self, scheduled: list[tuple[SimRequest, int]], now_s: float) -> None:
+        """Apply a finished step: sample tokens, finish requests, wake their consumers."""
+        any_done = False
+        for req, n in scheduled:
+            if req.finish_reason is not None:  # aborted while the step ran
+                continue
+            req.num_computed += n
+            if req.num_computed < req.seq_tokens:
+                continue  # a prefill chunk that does not reach the end yet
+            if req.num_output == 0:
+                self.prompt_tokens_total += req.prompt_tokens
+                req.first_token_s = now_s
+            req.num_output += 1
+            self.generation_tokens_total += 1
+            if req.num_output >= req.max_tokens:
+                self._end(req, "length")
+                self.requests_finished += 1
+                any_done = True
+            else:
+                req._notify()
+        if any_done:
+            self._running = [r for r in self._running if r.finish_reason is None]
+
+    def _plan(self, t0: float) -> tuple[list[tuple[SimRequest, int]], StepRecord]:
+        """Schedule a step starting at `t0` and open its energy segment; return (work, record)."""
+        scheduled, prefill, decode = self._schedule()
+        step_s, power_w = step_time_s(
+            self.profile,
+            decode,
+            prefill,
+            self.kv_tokens,
+            self._power_limit_w,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+        )
+        self._seg_t1 = t0 + step_s
+        self._seg_power_w = power_w
+        rec = StepRecord(
+            t0,
+            step_s,
+            power_w,
+            len(self._running),
+            len(self._waiting),
+            self.kv_tokens,
+            prefill,
+            decode,
+            self._energy_j + power_w * step_s,
+        )
+        return scheduled, rec
+
+    def _has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def step(self) -> StepRecord | None:
+        """Run one step at once on the engine clock (no sleep); None when there is no work."""
+        if not self._has_work():
+            return None
+        self._close_idle(max(self._clock_s, time.monotonic()))
+        t0 = self._clock_s
+        scheduled, rec = self._plan(t0)
+        self._close_segment(t0 + rec.step_s, rec)
+        self.steps_total += 1
+        self._complete(scheduled, t0 + rec.step_s)
+        if not self._has_work():
+            self._open_idle()
+        return rec
+
+    # ---- the asyncio loop ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the step loop (idempotent)."""
+        if self._task is None or self._task.done():
+            self._stopped = False
+            self._task = asyncio.get_running_loop().create_task(self._guarded(), name="sim-engine")
+
+    async def stop(self) -> None:
+        """Stop the loop and end every pending request with EngineStopped."""
+        self._stopped = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for req in [*self._running, *self._waiting]:
+            self._end(req, "stopped")
+        self._running.clear()
+        self._waiting.clear()
+        if self._seg_t1 is not None:  # a step was cut short: account it up to now
+            now = time.monotonic()
+            self._close_segment(min(now, self._seg_t1), None)
+            self._open_idle()
+
+    @property
+    def started(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def _guarded(self) -> None:
+        """A bug in the loop must not leave clients waiting forever: end their requests."""
+        try:
+            await self._loop()
+        except Exception:
+            _log.exception("simulated engine loop failed")
+            self._stopped = True
+            for req in [*self._running, *self._waiting]:
+                self._end(req, "stopped")
+            self._running.clear()
+            self._waiting.clear()
+            raise
+
+    async def _loop(self) -> None:
+        """Steps run back to back on the engine clock; sleeping to each deadline (rather than for
+        each step) keeps event-loop jitter from accumulating. A lag beyond `max_lag_s` (a stalled
+        host) is resynchronised and counted as idle time."""
+        while True:
+            if not self._has_work():
+                self._open_idle()
+                self._wake.clear()
+                await self._wake.wait()
+                self._close_idle(time.monotonic())
+                continue
+            now = time.monotonic()
+            if now - self._clock_s > self.max_lag_s:
+                self._close_idle_gap(now)
+            t0 = self._clock_s
+            scheduled, rec = self._plan(t0)
+            t1 = t0 + rec.step_s
+            await asyncio.sleep(max(t1 - time.monotonic(), 0.0))
+            self._close_segment(t1, rec)
+            self.steps_total += 1
+            self._complete(scheduled, t1)
+
+    def _close_idle_gap(self, t1: float) -> None:
+        self._open_idle()
+        self._close_idle(t1)

@@ -1,0 +1,36 @@
+"""GPU power readings: sources (NVML, dcgm-exporter, replayed traces), filters and the monitor.
+
+Importing this package never imports pynvml; only constructing an NVML object does.
+"""
+
+from powerbatch.telemetry.base import PowerSample, PowerSource
+from powerbatch.telemetry.filters import Ewma, HampelFilter
+from powerbatch.telemetry.monitor import PowerMonitor, PowerReading
+from powerbatch.telemetry.nvml import NvmlPowerLimiter, NvmlPowerSource, nvml_available
+from powerbatch.telemetry.prometheus import (
+    PrometheusPowerSource,
+    UpstreamMetricsScraper,
+    UpstreamSignals,
+)
+from powerbatch.telemetry.replay import ReplayPowerSource, TraceExhausted
+from powerbatch.telemetry.trace import TraceRow, read_trace, write_trace
+
+__all__ = [
+    "Ewma",
+    "HampelFilter",
+    "NvmlPowerLimiter",
+    "NvmlPowerSource",
+    "PowerMonitor",
+    "PowerReading",
+    "PowerSample",
+    "PowerSource",
+    "PrometheusPowerSource",
+    "ReplayPowerSource",
+    "TraceExhausted",
+    "TraceRow",
+    "UpstreamMetricsScraper",
+    "UpstreamSignals",
+    "nvml_available",
+    "read_trace",
+    "write_trace",
+]

@@ -1,0 +1,323 @@
+"""GPU power through NVML: the only module in powerbatch that touches pynvml.
+
+pynvml is imported inside functions, never at module level, so powerbatch imports (and its
+simulator and tests run) on machines without an NVIDIA driver. Every constructor takes an optional
+`nvml` module so tests can hand in a fake that imitates pynvml's API.
+
+NVML calls run inline on the event loop rather than through asyncio.to_thread: they are local
+ioctl calls that return in well under a millisecond, a thread hop costs about as much, and the
+default executor may be busy with other work exactly when the controller needs a reading. A hung
+driver is caught one level up: the monitor bounds every read with a timeout and reports staleness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any, TypeVar
+
+from powerbatch.errors import PowerLimitError, SensorReadError, SensorUnavailable
+from powerbatch.telemetry.base import PowerSample
+
+_T = TypeVar("_T")
+
+# NVML return codes (pynvml names) meaning the device or library is gone, not that one call failed.
+_UNAVAILABLE_CODES = (
+    "NVML_ERROR_LIBRARY_NOT_FOUND",
+    "NVML_ERROR_DRIVER_NOT_LOADED",
+    "NVML_ERROR_UNINITIALIZED",
+    "NVML_ERROR_GPU_IS_LOST",
+    "NVML_ERROR_LIB_RM_VERSION_MISMATCH",
+    "NVML_ERROR_GPU_NOT_FOUND",
+)
+# A feature this GPU or driver lacks: fall back to another call instead of failing.
+_UNSUPPORTED_CODES = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_FUNCTION_NOT_FOUND")
+
+
+def _load(nvml: ModuleType | None) -> ModuleType:
+    if nvml is not None:
+        return nvml
+    try:
+        import pynvml
+    except ImportError as exc:  # pragma: no cover - nvidia-ml-py is a hard dependency
+        raise SensorUnavailable(f"pynvml (nvidia-ml-py) is not installed: {exc}") from exc
+    module: ModuleType = pynvml
+    return module
+
+
+def _codes(nvml: ModuleType, names: Sequence[str]) -> frozenset[int]:
+    return frozenset(int(getattr(nvml, name)) for name in names if hasattr(nvml, name))
+
+
+def _error_code(exc: BaseException) -> int | None:
+    value = getattr(exc, "value", None)
+    return value if isinstance(value, int) else None
+
+
+def _field_value(nvml: ModuleType, field: Any) -> float:
+    """Read a c_nvmlFieldValue_t's value through the union member its valueType names."""
+    members = {
+        getattr(nvml, "NVML_VALUE_TYPE_DOUBLE", 0): "dVal",
+        getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_INT", 1): "uiVal",
+        getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_LONG", 2): "ulVal",
+        getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_LONG_LONG", 3): "ullVal",
+        getattr(nvml, "NVML_VALUE_TYPE_SIGNED_LONG_LONG", 4): "sllVal",
+        getattr(nvml, "NVML_VALUE_TYPE_SIGNED_INT", 5): "siVal",
+        getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_SHORT", 6): "usVal",
+    }
+    member = members.get(int(field.valueType), "uiVal")
+    return float(getattr(field.value, member))
+
+
+class _NvmlHandles:
+    """nvmlInit once and one handle per GPU index; shared by the source and the limiter."""
+
+    def __init__(self, nvml: ModuleType, gpu_indices: Sequence[int]) -> None:
+        if not gpu_indices:
+            raise ValueError("gpu_indices must name at least one GPU")
+        if len(set(gpu_indices)) != len(gpu_indices):
+            raise ValueError(f"gpu_indices has duplicates: {list(gpu_indices)}")
+        self.nvml = nvml
+        self.indices = tuple(gpu_indices)
+        self._closed = False
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as exc:
+            raise SensorUnavailable(f"NVML init failed: {exc}") from exc
+        try:
+            count = int(nvml.nvmlDeviceGetCount())
+            missing = [i for i in self.indices if not 0 <= i < count]
+            if missing:
+                raise SensorUnavailable(f"no GPU at index {missing} (NVML sees {count} GPUs)")
+            self.handles: list[Any] = []
+            for index in self.indices:
+                try:
+                    self.handles.append(nvml.nvmlDeviceGetHandleByIndex(index))
+                except nvml.NVMLError as exc:
+                    raise SensorUnavailable(f"GPU {index}: no NVML handle: {exc}") from exc
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Shutting down a library that is already gone is not worth failing over.
+        with contextlib.suppress(self.nvml.NVMLError):
+            self.nvml.nvmlShutdown()
+
+
+class NvmlPowerSource:
+    """Total power (and energy) over a set of GPUs, read from NVML.
+
+    Per GPU it prefers NVML_FI_DEV_POWER_INSTANT (field 186): nvmlDeviceGetPowerUsage is a
+    1-second average on Ampere and newer, which lags a 100 ms control loop by most of a second.
+    Where the field is unsupported it falls back to the average, and remembers that per GPU so an
+    unsupported call is not retried on every read.
+    """
+
+    def __init__(
+        self,
+        gpu_indices: Sequence[int] = (0,),
+        *,
+        prefer_instant: bool = True,
+        nvml: ModuleType | None = None,
+    ) -> None:
+        self._nvml = _load(nvml)
+        self._unavailable = _codes(self._nvml, _UNAVAILABLE_CODES)
+        self._unsupported = _codes(self._nvml, _UNSUPPORTED_CODES)
+        self._devices = _NvmlHandles(self._nvml, gpu_indices)
+        self.gpu_indices = self._devices.indices
+        self.name = f"nvml:{','.join(str(i) for i in self.gpu_indices)}"
+        # Per GPU: True = instant field works, False = use the averaged call, None = not tried yet.
+        self._instant: list[bool | None] = [None if prefer_instant else False] * len(
+            self.gpu_indices
+        )
+        self._energy: list[bool | None] = [None] * len(self.gpu_indices)
+
+    @property
+    def instant_power(self) -> list[bool | None]:
+        """Per GPU: whether the instant power field is in use (None until the first read)."""
+        return list(self._instant)
+
+    def _map(self, exc: Exception, index: int, what: str) -> SensorUnavailable | SensorReadError:
+        message = f"GPU {index}: {what} failed: {exc}"
+        if _error_code(exc) in self._unavailable:
+            return SensorUnavailable(message)
+        return SensorReadError(message)
+
+    def _power_mw(self, slot: int) -> float:
+        nvml, handle, index = self._nvml, self._devices.handles[slot], self.gpu_indices[slot]
+        if self._instant[slot] is not False:
+            try:
+                fields = nvml.nvmlDeviceGetFieldValues(
+                    handle, [(nvml.NVML_FI_DEV_POWER_INSTANT, 0)]
+                )
+                status = int(fields[0].nvmlReturn)
+                if status == nvml.NVML_SUCCESS:
+                    self._instant[slot] = True
+                    return _field_value(nvml, fields[0])
+                if status not in self._unsupported:
+                    raise nvml.NVMLError(status)
+            except nvml.NVMLError as exc:
+                if _error_code(exc) not in self._unsupported:
+                    raise self._map(exc, index, "instant power field") from exc
+            self._instant[slot] = False
+        try:
+            return float(nvml.nvmlDeviceGetPowerUsage(handle))
+        except nvml.NVMLError as exc:
+            raise self._map(exc, index, "nvmlDeviceGetPowerUsage") from exc
+
+    def _energy_mj(self, slot: int) -> float | None:
+        if self._energy[slot] is False:
+            return None
+        nvml, handle = self._nvml, self._devices.handles[slot]
+        try:
+            value = float(nvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+        except nvml.NVMLError as exc:
+            if _error_code(exc) in self._unsupported:
+                self._energy[slot] = False
+                return None
+            raise self._map(exc, self.gpu_indices[slot], "energy counter") from exc
+        self._energy[slot] = True
+        return value
+
+    async def read(self) -> PowerSample:
+        power_mw = 0.0
+        energy_mj: float | None = 0.0
+        for slot in range(len(self.gpu_indices)):
+            power_mw += self._power_mw(slot)
+            gpu_energy_mj = self._energy_mj(slot)
+            # A sum that leaves out one GPU's joules would be silently wrong: report none instead.
+            energy_mj = (
+                None if energy_mj is None or gpu_energy_mj is None else (energy_mj + gpu_energy_mj)
+            )
+        t_s = time.monotonic()
+        return PowerSample(
+            t_s=t_s,
+            power_w=power_mw / 1000.0,
+            energy_j=None if energy_mj is None else energy_mj / 1000.0,
+        )
+
+    async def close(self) -> None:
+        self._devices.shutdown()
+
+
+class NvmlPowerLimiter:
+    """Set, read back and restore the hardware power limit of a set of GPUs.
+
+    The limit outlives this process (until the driver reloads), so the limits in force at
+    construction are remembered and `restore()` puts them back; call it on shutdown, then `close()`.
+    """
+
+    def __init__(
+        self, gpu_indices: Sequence[int] = (0,), *, nvml: ModuleType | None = None
+    ) -> None:
+        try:
+            self._nvml = _load(nvml)
+            self._devices = _NvmlHandles(self._nvml, gpu_indices)
+        except (SensorUnavailable, SensorReadError) as exc:
+            raise PowerLimitError(f"cannot open GPUs for power limiting: {exc}") from exc
+        self.gpu_indices = self._devices.indices
+        self._no_permission = _codes(self._nvml, ("NVML_ERROR_NO_PERMISSION",))
+        self._constraints_w = self._per_gpu(
+            "nvmlDeviceGetPowerManagementLimitConstraints", self._read_constraints_w
+        )
+        self._initial_limits_w = self._per_gpu(
+            "nvmlDeviceGetPowerManagementLimit",
+            lambda h: float(self._nvml.nvmlDeviceGetPowerManagementLimit(h)) / 1000.0,
+        )
+        self._changed = False
+
+    def _read_constraints_w(self, handle: Any) -> tuple[float, float]:
+        min_mw, max_mw = self._nvml.nvmlDeviceGetPowerManagementLimitConstraints(handle)
+        return float(min_mw) / 1000.0, float(max_mw) / 1000.0
+
+    def _error(self, exc: Exception, index: int, what: str) -> PowerLimitError:
+        if _error_code(exc) in self._no_permission:
+            return PowerLimitError(
+                f"GPU {index}: {what}: no permission; setting power limits needs root or "
+                "CAP_SYS_ADMIN (in a container: --cap-add SYS_ADMIN)"
+            )
+        return PowerLimitError(f"GPU {index}: {what} failed: {exc}")
+
+    def _per_gpu(self, what: str, call: Callable[[Any], _T]) -> list[_T]:
+        results: list[_T] = []
+        for index, handle in zip(self.gpu_indices, self._devices.handles, strict=True):
+            try:
+                results.append(call(handle))
+            except self._nvml.NVMLError as exc:
+                raise self._error(exc, index, what) from exc
+        return results
+
+    def constraints_w(self) -> list[tuple[float, float]]:
+        """Per GPU (min_w, max_w) the driver accepts."""
+        return list(self._constraints_w)
+
+    def default_limits_w(self) -> list[float]:
+        """Per GPU factory default limit."""
+        return self._per_gpu(
+            "nvmlDeviceGetPowerManagementDefaultLimit",
+            lambda h: float(self._nvml.nvmlDeviceGetPowerManagementDefaultLimit(h)) / 1000.0,
+        )
+
+    def enforced_limits_w(self) -> list[float]:
+        """Per GPU limit actually in force (the lowest of all limits set by anyone)."""
+        return self._per_gpu(
+            "nvmlDeviceGetEnforcedPowerLimit",
+            lambda h: float(self._nvml.nvmlDeviceGetEnforcedPowerLimit(h)) / 1000.0,
+        )
+
+    def _set_w(self, limits_w: Sequence[float]) -> None:
+        for index, handle, limit_w in zip(
+            self.gpu_indices, self._devices.handles, limits_w, strict=True
+        ):
+            try:
+                self._nvml.nvmlDeviceSetPowerManagementLimit(handle, round(limit_w * 1000.0))
+            except self._nvml.NVMLError as exc:
+                raise self._error(exc, index, f"set power limit to {limit_w:.1f} W") from exc
+
+    def set_total_limit_w(self, total_w: float) -> float:
+        """Split `total_w` evenly over the GPUs, clamped per GPU; return the total now in force.
+
+        The return value is read back from the driver, so it reflects clamping and any lower
+        limit someone else has set, not what was asked for.
+        """
+        if not (math.isfinite(total_w) and total_w > 0):
+            raise PowerLimitError(f"total power limit must be positive and finite, got {total_w}")
+        share_w = total_w / len(self.gpu_indices)
+        limits_w = [min(max(share_w, lo), hi) for lo, hi in self._constraints_w]
+        self._changed = True
+        self._set_w(limits_w)
+        return sum(self.enforced_limits_w())
+
+    def restore(self) -> None:
+        """Put back the limits in force at construction; a no-op if nothing was set."""
+        if not self._changed:
+            return
+        self._set_w(self._initial_limits_w)
+        self._changed = False
+
+    def close(self) -> None:
+        """Release NVML; does not restore limits (call restore() first)."""
+        self._devices.shutdown()
+
+
+def nvml_available(nvml: ModuleType | None = None) -> bool:
+    """True when NVML loads and sees at least one GPU; never raises."""
+    try:
+        module = _load(nvml)
+        module.nvmlInit()
+    except Exception:
+        return False
+    try:
+        return int(module.nvmlDeviceGetCount()) > 0
+    except Exception:
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            module.nvmlShutdown()
