@@ -116,10 +116,14 @@ def add_arguments(parser: argparse.ArgumentParser, options: tuple[Option, ...]) 
     for opt in options:
         if opt.kind is bool:
             parser.add_argument(
-                opt.flag, action=argparse.BooleanOptionalAction, default=None, help=opt.help
+                opt.flag,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=opt.help.replace("%", "%%"),
             )
         else:
-            parser.add_argument(opt.flag, default=None, help=f"{opt.help} [env {opt.env}]")
+            help_text = f"{opt.help} [env {opt.env}]".replace("%", "%%")
+            parser.add_argument(opt.flag, default=None, help=help_text)
 
 
 def resolve(

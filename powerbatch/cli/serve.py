@@ -86,7 +86,15 @@ def build(o: dict[str, Any]) -> tuple[web.Application, Governor]:
     scraper = None
     if o["upstream_metrics"]:
         scraper = UpstreamMetricsScraper(o["upstream"].rstrip("/") + "/metrics")
-    gov = Governor(controller, queue, monitor, ProxyMetrics(), upstream_scraper=scraper)
+    averaged = o["power_source"] == "dcgm" and "INSTANT" not in o["dcgm_metric"].upper()
+    gov = Governor(
+        controller,
+        queue,
+        monitor,
+        ProxyMetrics(),
+        upstream_scraper=scraper,
+        source_averages=averaged,
+    )
     settings = ProxySettings(
         upstream_url=o["upstream"],
         max_body_bytes=o["max_body_bytes"],

@@ -26,7 +26,7 @@ class ControlConfig:
     max_kv_tokens: int = 2_000_000
     step_up_frac: float = 0.1  # largest growth of the batch per tick
     confidence: float = 0.95  # of the one-sided upper prediction bound
-    model_half_life_s: float = 60.0
+    model_half_life_s: float = 20.0
     model_window: int = 1_500
     warmup_s: float = 5.0
     mode: Mode = "enforce"
@@ -38,6 +38,7 @@ class ControlConfig:
     min_prefill_tok_s: float = 500.0
     power_gain: float = 0.25  # dual ascent step of the power multiplier, W per W of violation
     emergency_cut: float = 0.8  # on a measured breach, the batch drops to this share of in-flight
+    cut_cooldown_s: float = 1.0  # no second cut before the first can show in the power
     demand_headroom: float = 1.25  # the batch may lead recent peak demand by this factor
     extra: dict[str, str] = field(default_factory=dict)
 

@@ -104,6 +104,7 @@ class Controller:
             1.0, prior.kv_tokens_per_request, 100.0, prior.decode_tok_s_per_request
         )
         self._demand: deque[tuple[float, int]] = deque()
+        self._cut_until_s = -math.inf
         self._grid = np.arange(config.min_batch, config.max_batch + 1)
         self.last: Decision | None = None
 
@@ -134,6 +135,55 @@ class Controller:
         if over[0] == 0:
             return self.config.min_batch
         return int(self._grid[over[0] - 1])
+
+    def _power_cap(
+        self,
+        power_w: float,
+        target_w: float,
+        current: int,
+        step: int,
+        anchor_batch: float,
+        mean_w: np.ndarray,
+        upper_w: np.ndarray,
+    ) -> int:
+        """The largest batch power allows this tick: the meter for here, the model for there.
+
+        The meter already says what the present batch draws, so the model is used only for
+        the *difference* a step would make (anchored on the measured power at the batch now in
+        flight), which is robust to a model whose level is off. Over the target, follow the
+        model's upper bound down; the power multiplier lowers the target while the meter stays
+        over it, so a model biased low is corrected. Inside the dead band, hold. With room, grow
+        where the bound fits, or probe one step where the anchored mean fits: where the model
+        has seen no data its bound is wide and would pin the batch forever, and a probe teaches
+        it the slope. The breach cut bounds the cost of a wrong probe.
+        """
+        cfg = self.config
+
+        def mean_at(n: float) -> float:
+            i = round(min(max(n, cfg.min_batch), cfg.max_batch)) - cfg.min_batch
+            return float(mean_w[i])
+
+        # One fresh reading's spread: what separates a mean from a second over the ceiling.
+        noise_w = self.model.noise_quantile_w()
+        here_w = mean_at(anchor_batch)
+
+        def anchored_upper(n: int) -> float:
+            return power_w + mean_at(n) - here_w + noise_w
+
+        if power_w > target_w:
+            # Step down to where the anchored bound fits, at most a quarter per tick: a cut
+            # deeper than the excess is itself a swing in power.
+            n = current
+            while n > cfg.min_batch and anchored_upper(n) > target_w + noise_w:
+                n -= 1
+            model_n = self._largest_batch_under(upper_w, target_w)
+            return max(min(current, max(n, model_n)), math.floor(0.75 * current))
+        room_w = target_w - cfg.hysteresis
+        if power_w >= room_w:
+            return current
+        n_grow = self._largest_batch_under(upper_w, room_w)
+        probe = current + step
+        return max(n_grow, probe if anchored_upper(probe) <= room_w else current)
 
     def _recent_peak_demand(self, t_s: float, demand: int) -> int:
         self._demand.append((t_s, demand))
@@ -174,12 +224,12 @@ class Controller:
         if not cfg.prefill_pacing:
             return None
         steady = max(self._shape.prefill_tok_s * batch, cfg.min_prefill_tok_s)
-        rates = steady * np.array([1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0])
+        # Never more than 1.5x the steady flow: a burst of prompts is a burst of watts.
+        rates = steady * np.array([1.1, 1.25, 1.5])
         at_batch = self._shape.scaled(float(batch))
         upper = self.model.predict([at_batch.with_prefill(float(r)) for r in rates]).upper_w
         ok = rates[upper <= target_w]
-        best = float(ok.max()) if len(ok) else steady
-        return max(best, 1.1 * steady)
+        return float(ok.max()) if len(ok) else 1.1 * steady
 
     # -- the tick -----------------------------------------------------------------------------
 
@@ -217,37 +267,38 @@ class Controller:
         target_w = goal_w - self._lambda["power"]
 
         pred = self.model.predict([self._shape.scaled(float(n)) for n in self._grid])
-        n_power = self._largest_batch_under(pred.upper_w, target_w)
-        n_grow = self._largest_batch_under(pred.upper_w, target_w - cfg.hysteresis)
-        n_latency = int(self._latency_batch)
+        current = self._batch
+        step = max(1, math.ceil(current * cfg.step_up_frac))
+        ttft = obs.latency.ttft_p95_s if obs.latency else None
+        if ttft is not None and ttft > cfg.ttft_slo_s:
+            step *= 2  # queueing is hurting first tokens: grow faster where watts allow
         peak = self._recent_peak_demand(obs.t_s, obs.in_flight + obs.queued)
-        n_demand = max(cfg.initial_batch, math.ceil(peak * cfg.demand_headroom) + 2)
         caps = {
-            "power": n_power,
-            "latency": n_latency,
-            "demand": n_demand,
+            "power": self._power_cap(
+                power_w, target_w, current, step, obs.features.batch, pred.mean_w, pred.upper_w
+            ),
+            "latency": int(self._latency_batch),
+            "demand": max(cfg.initial_batch, math.ceil(peak * cfg.demand_headroom) + 2),
             "max_batch": cfg.max_batch,
         }
         binding = min(caps, key=lambda k: caps[k])
-        ceiling_n = caps[binding]
+        cap = caps[binding]
 
-        emergency = power_w > cfg.ceiling_w
-        current = self._batch
+        breach = power_w > cfg.ceiling_w
+        # Cut once per breach, then give the cut time to show before cutting again: admission
+        # cannot preempt, so power falls only as requests finish.
+        emergency = breach and obs.t_s >= self._cut_until_s
         if emergency:
             cut = math.floor(min(current, max(obs.in_flight, 1)) * cfg.emergency_cut)
-            new = max(cfg.min_batch, min(cut, ceiling_n))
+            new = min(cut, cap)
+            self._cut_until_s = obs.t_s + cfg.cut_cooldown_s
             binding = "power"
+        elif breach:
+            new = min(current, cap)
         elif warming:
-            new = min(cfg.initial_batch, ceiling_n)
-        elif ceiling_n < current:
-            new = ceiling_n
+            new = min(cfg.initial_batch, cap)
         else:
-            step = max(1, math.ceil(current * cfg.step_up_frac))
-            ttft = obs.latency.ttft_p95_s if obs.latency else None
-            if ttft is not None and ttft > cfg.ttft_slo_s and binding != "power":
-                step *= 2  # queueing delay is hurting first tokens and watts allow: grow faster
-            grow_to = min(ceiling_n, n_grow if binding in ("power", "demand") else ceiling_n)
-            new = max(current, min(grow_to, current + step))
+            new = cap if cap < current else min(cap, current + step)
         self._batch = max(cfg.min_batch, min(new, cfg.max_batch))
 
         if binding == "demand" and obs.queued == 0:

@@ -36,10 +36,17 @@ class PowerPrior:
     idle_w: float
     max_w: float
     max_batch: int
-    weight: float = 3.0  # total weight of the prior, in fresh samples
+    weight: float = 1.0  # total weight of the prior's level, in fresh samples
+    slope_weight: float = 0.5  # ridge strength towards the prior's slopes
+    noise_frac: float = 0.02  # prior sd of a 1-second reading, as a share of max_w
+    noise_samples: float = 30.0  # how many readings that prior noise is worth
     kv_tokens_per_request: float = 1_000.0
     decode_tok_s_per_request: float = 30.0
     heavy_prefill_tok_s: float = 20_000.0
+
+    @property
+    def noise_w(self) -> float:
+        return self.noise_frac * self.max_w
 
     @classmethod
     def from_ceiling(
@@ -92,10 +99,21 @@ class PowerModel:
         self._t: deque[float] = deque(maxlen=window)
         self._x: deque[NDArray[np.float64]] = deque(maxlen=window)
         self._y: deque[float] = deque(maxlen=window)
+        # The prior enters twice: a few points that give a level before any data (weak: levels
+        # differ by hundreds of watts between plants), and ridge rows that pull each slope
+        # towards the prior's slope (stronger: it settles directions the data has not
+        # explored, such as kv and decode rate, which move together with batch).
         prior_points = prior.points()
-        self._prior_x = design_matrix([f for f, _ in prior_points])
-        self._prior_y = np.array([p for _, p in prior_points])
-        self._prior_w = np.full(len(prior_points), prior.weight / len(prior_points))
+        px = design_matrix([f for f, _ in prior_points])
+        py = np.array([p for _, p in prior_points])
+        slopes = np.linalg.lstsq(px, py, rcond=None)[0]
+        k = px.shape[1] - 1
+        ridge_x = np.hstack([np.zeros((k, 1)), np.eye(k)])
+        self._prior_x = np.vstack([px, ridge_x])
+        self._prior_y = np.concatenate([py, slopes[1:]])
+        self._prior_w = np.concatenate(
+            [np.full(len(py), prior.weight / len(py)), np.full(k, prior.slope_weight)]
+        )
         self._result: sm.regression.linear_model.RegressionResults | None = None
         self._noise_var = 0.0
         self._noise_df = 1.0
@@ -135,12 +153,21 @@ class PowerModel:
             # The noise of a fresh reading comes from real readings only: the prior's misfit is
             # not sensor noise and would widen every bound. Weights here mean recency, so the
             # variance is their weighted mean square, corrected by the effective sample count.
-            resid = ys - np.asarray(result.predict(xs))
+            # A robust scale (weighted MAD): a start-up ramp or a load step leaves a few huge
+            # residuals that say nothing about the steady noise the bound is for.
+            resid = np.abs(ys - np.asarray(result.predict(xs)))
             n_eff = w.sum() ** 2 / (w**2).sum()
             df = n_eff - result.df_model - 1
             if df >= 3:
-                var = float((w * resid**2).sum() / w.sum()) * n_eff / df
-                self._noise_var, self._noise_df = max(var, 1e-6), df
+                order = np.argsort(resid)
+                cum = np.cumsum(w[order])
+                mad = float(resid[order][np.searchsorted(cum, 0.5 * cum[-1])])
+                var = (1.4826 * mad) ** 2 * n_eff / df
+                # Shrink towards a prior noise while the data are few, so that one early
+                # transient cannot freeze (or loosen) every decision.
+                k, prior_var = self.prior.noise_samples, self.prior.noise_w**2
+                var = (df * var + k * prior_var) / (df + k)
+                self._noise_var, self._noise_df = max(var, 1e-6), df + k
         self._dirty = False
         return result
 
@@ -164,6 +191,11 @@ class PowerModel:
         """Fitted coefficients by regressor name (scaled units; for status and debugging)."""
         params = self._fit().params
         return {name: float(v) for name, v in zip(REGRESSORS, params, strict=True)}
+
+    def noise_quantile_w(self) -> float:
+        """How far above its mean a fresh reading may land, at `confidence` (one-sided)."""
+        self._fit()
+        return float(stats.t.ppf(self.confidence, self._noise_df)) * math.sqrt(self._noise_var)
 
     def residual_std_w(self) -> float:
         self._fit()

@@ -6,6 +6,7 @@ load. Lengths are lognormal, the usual fit for chat prompts and answers (ShareGP
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -113,4 +114,4 @@ def steady(rate_rps: float = 8.0) -> LoadProfile:
     return LoadProfile("steady", (Phase(60.0, rate_rps),))
 
 
-PROFILES = {"bursty": bursty, "steady": steady}
+PROFILES: dict[str, Callable[[], LoadProfile]] = {"bursty": bursty, "steady": steady}

@@ -294,6 +294,30 @@ class ProxyHandlers:
     async def status(self, request: web.Request) -> web.Response:
         return web.json_response(self.gov.status())
 
+    async def history(self, request: web.Request) -> web.Response:
+        """The control trace since `since_s` (monotonic), as columns: for plots and bench."""
+        try:
+            since = float(request.query.get("since_s", "-inf"))
+        except ValueError:
+            return error_response(400, "since_s must be a number", param="since_s")
+        rows = [r for r in self.gov.history if r.t_s > since]
+        cols = (
+            "t_s",
+            "power_w",
+            "raw_w",
+            "predicted_upper_w",
+            "target_w",
+            "limit_requests",
+            "limit_kv_tokens",
+            "prefill_tok_s",
+            "in_flight",
+            "kv_in_flight",
+            "queued",
+            "binding",
+            "state",
+        )
+        return web.json_response({c: [getattr(r, c) for r in rows] for c in cols})
+
     async def not_found(self, request: web.Request) -> web.Response:
         return error_response(404, f"no route {request.method} {request.path}", code="not_found")
 
@@ -331,5 +355,6 @@ def create_app(
     app.router.add_get("/health", h.health)
     app.router.add_get("/ready", h.ready)
     app.router.add_get("/status", h.status)
+    app.router.add_get("/status/history", h.history)
     app.router.add_route("*", "/{tail:.*}", h.not_found)
     return app

@@ -19,7 +19,12 @@ from powerbatch.admission import PRIORITIES, AdmissionQueue
 from powerbatch.control import BINDINGS, Controller, Decision, LatencyWindow, Limits, Observation
 from powerbatch.estimate import Features
 from powerbatch.proxy.metrics import STATES, ProxyMetrics
-from powerbatch.telemetry import PowerMonitor, UpstreamMetricsScraper, UpstreamSignals
+from powerbatch.telemetry import (
+    PowerMonitor,
+    PowerReading,
+    UpstreamMetricsScraper,
+    UpstreamSignals,
+)
 from powerbatch.telemetry.trace import TraceRow
 
 log = logging.getLogger("powerbatch.control")
@@ -46,39 +51,33 @@ class TickRecord:
     features: Features
 
 
-class _Rate:
-    """EWMA of a counter's rate, time-aware: the same half-life as the power smoothing."""
+class _Window:
+    """Levels averaged and counters differenced over the last `window_s` of ticks.
 
-    def __init__(self, half_life_s: float) -> None:
-        self.half_life_s = half_life_s
-        self.value = 0.0
-        self._last: tuple[float, float] | None = None
+    The model regresses the 1-second power (the quantity the ceiling is about) on features
+    taken over the same second, so cause and effect line up.
+    """
 
-    def update(self, t_s: float, total: float) -> float:
-        if self._last is not None:
-            t0, c0 = self._last
-            dt = t_s - t0
-            if dt > 0:
-                a = 1.0 - math.exp2(-dt / self.half_life_s)
-                self.value += a * ((total - c0) / dt - self.value)
-        self._last = (t_s, total)
-        return self.value
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._ticks: deque[tuple[float, float, float, float, float]] = deque()
 
-
-class _Level:
-    def __init__(self, half_life_s: float) -> None:
-        self.half_life_s = half_life_s
-        self.value: float | None = None
-        self._t: float | None = None
-
-    def update(self, t_s: float, x: float) -> float:
-        if self.value is None or self._t is None:
-            self.value = x
-        else:
-            a = 1.0 - math.exp2(-max(t_s - self._t, 0.0) / self.half_life_s)
-            self.value += a * (x - self.value)
-        self._t = t_s
-        return self.value
+    def update(
+        self, t_s: float, batch: float, kv: float, prefill_total: float, decode_total: float
+    ) -> Features:
+        ticks = self._ticks
+        ticks.append((t_s, batch, kv, prefill_total, decode_total))
+        while len(ticks) > 2 and ticks[1][0] <= t_s - self.window_s:
+            ticks.popleft()
+        first = ticks[0]
+        dt = t_s - first[0]
+        n = len(ticks)
+        return Features(
+            batch=sum(x[1] for x in ticks) / n,
+            kv_tokens=sum(x[2] for x in ticks) / n,
+            prefill_tok_s=(prefill_total - first[3]) / dt if dt > 0 else 0.0,
+            decode_tok_s=(decode_total - first[4]) / dt if dt > 0 else 0.0,
+        )
 
 
 class Governor:
@@ -92,7 +91,8 @@ class Governor:
         latency: LatencyWindow | None = None,
         upstream_scraper: UpstreamMetricsScraper | None = None,
         scrape_interval_s: float = 1.0,
-        smoothing_half_life_s: float = 0.5,
+        window_s: float = 1.0,
+        source_averages: bool = False,
         history_len: int = 36_000,
     ) -> None:
         self.controller = controller
@@ -105,9 +105,12 @@ class Governor:
         self.output_tokens_total = 0
         self.history: deque[TickRecord] = deque(maxlen=history_len)
         self.upstream: UpstreamSignals | None = None
-        h = smoothing_half_life_s
-        self._batch, self._kv = _Level(h), _Level(h)
-        self._prefill, self._decode = _Rate(h), _Rate(h)
+        self.window_s = window_s
+        # A source that already reports a 1-second mean (NVML's power usage on Hopper, dcgm's
+        # DCGM_FI_DEV_POWER_USAGE) is used as it is: averaging it again would lag the power a
+        # second behind the features it is regressed on.
+        self.source_averages = source_averages
+        self._window = _Window(window_s)
         self._tasks: list[asyncio.Task[None]] = []
         cfg = controller.config
         metrics.ceiling_w.set(cfg.ceiling_w)
@@ -163,15 +166,24 @@ class Governor:
             self.queue.set_limits(Limits(cfg.safe_batch, limits.max_kv_tokens, None))
 
     def features(self, t_s: float) -> Features:
+        # The proxy's own in-flight count is exact and current; the upstream's running count is
+        # scraped once a second and lags, so it is reported but not regressed on.
         q = self.queue
-        running = self.upstream.requests_running if self.upstream else None
-        batch = running if running is not None else float(q.in_flight)
-        return Features(
-            batch=self._batch.update(t_s, batch),
-            kv_tokens=self._kv.update(t_s, float(q.kv_in_flight)),
-            prefill_tok_s=self._prefill.update(t_s, q.stats.prefill_tokens_admitted_total),
-            decode_tok_s=self._decode.update(t_s, self.output_tokens_total),
+        return self._window.update(
+            t_s,
+            float(q.in_flight),
+            float(q.kv_in_flight),
+            float(q.stats.prefill_tokens_admitted_total),
+            float(self.output_tokens_total),
         )
+
+    def power_w(self, reading: PowerReading) -> float | None:
+        """The power the ceiling is about: the mean over the last `window_s`."""
+        if not reading.ok:
+            return None
+        if self.source_averages:
+            return reading.filtered_w
+        return self.monitor.mean_w(self.window_s)
 
     def tick(self, t_s: float) -> Decision:
         reading = self.monitor.snapshot()
@@ -179,7 +191,7 @@ class Governor:
         cfg = self.controller.config
         obs = Observation(
             t_s=t_s,
-            power_w=reading.smoothed_w if reading.ok else None,
+            power_w=self.power_w(reading),
             sensor_ok=reading.ok,
             sensor_error=reading.error,
             features=features,

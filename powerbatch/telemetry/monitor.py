@@ -158,9 +158,14 @@ class PowerMonitor:
         """
         if not self._history:
             return None
-        newest_t_s = self._history[-1][0]
-        values = [w for t_s, w in self._history if t_s > newest_t_s - window_s]
-        return sum(values) / len(values) if values else self._history[-1][1]
+        since_s = self._history[-1][0] - window_s
+        total, count = 0.0, 0
+        for t_s, w in reversed(self._history):  # newest first: stop at the window's edge
+            if t_s <= since_s:
+                break
+            total += w
+            count += 1
+        return total / count if count else self._history[-1][1]
 
     def add_listener(self, callback: Listener) -> None:
         """Call `callback` with every new good reading; its exceptions are logged, not raised."""

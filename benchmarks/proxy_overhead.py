@@ -1,0 +1,697 @@
+"""What the powerbatch proxy itself costs, measured against a fake upstream that answers at once.
+
+The same load goes straight to the fake upstream and through the proxy in one run, interleaved
+request by request where it matters, so machine noise hits both sides alike:
+
+  latency    added p50/p90/p99 per request at a fixed open-loop rate (JSON and SSE answers)
+  max rate   the largest offered rate one proxy process sustains (rate ramped until errors,
+             lag or p99 blow up), beside the same ramp straight to the upstream
+  sse relay  SSE events per second relayed, with events spaced so each is its own chunk
+  cpu        the proxy process's CPU seconds per request and per relayed event (/proc, psutil)
+  memory     the proxy's RSS with 10,000 requests queued (batch limit 1, the one admitted
+             request held by the upstream), and after the clients give up
+
+The proxy runs in enforce mode with a ceiling far above the fake 100 W reading and a batch limit
+above the load, so admission never holds a request in the latency parts. Writes a table to stdout
+and JSON to --out (default results/overhead/overhead.json).
+
+    python benchmarks/proxy_overhead.py                 # the full run, about two minutes
+    python benchmarks/proxy_overhead.py --quick         # a few seconds: does it work
+    python benchmarks/proxy_overhead.py --profile results/overhead/proxy.prof   # cProfile it
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import pstats
+import resource
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+from powerbatch.cli.stack import free_port
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+PROMPT = [{"role": "user", "content": "Say hello in a few words, please."}]
+
+
+# -- child processes -------------------------------------------------------------------------
+
+
+class Proc:
+    """A child process (full argv) with its output in a log file; ready when a URL answers 200.
+
+    Like powerbatch.cli.stack.Child, but for any command: the fake upstream, and the proxy under
+    cProfile."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_dir / f"{name}.log"
+        self.proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def ps(self) -> psutil.Process:
+        assert self.proc is not None
+        return psutil.Process(self.proc.pid)
+
+    async def start(self, ready_url: str, timeout_s: float = 30.0) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")  # noqa: SIM115, ASYNC230 - handed to the child
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv, stdout=log, stderr=asyncio.subprocess.STDOUT, env=env, cwd=REPO
+        )
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession() as s:
+            while time.monotonic() < deadline and self.proc.returncode is None:
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with asyncio.timeout(1.0), s.get(ready_url) as r:
+                        if r.status == 200:
+                            return
+                await asyncio.sleep(0.1)
+        await self.stop()
+        tail = self.log_path.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"{self.name} not ready at {ready_url}:\n{tail}")
+
+    async def stop(self, timeout_s: float = 20.0) -> None:
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.proc.wait()
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def cpu_s(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return float(t.user + t.system)
+
+
+def proxy_argv(upstream: str, port: int, extra: list[str], profile: Path | None) -> list[str]:
+    prof = ["-m", "cProfile", "-o", str(profile)] if profile else []
+    return [
+        sys.executable,
+        *prof,
+        "-m",
+        "powerbatch",
+        "serve",
+        "--upstream",
+        upstream,
+        "--port",
+        str(port),
+        "--power-source",
+        "dcgm",
+        "--dcgm-url",
+        upstream + "/metrics",
+        "--ceiling-w",
+        "10000",
+        "--no-upstream-metrics",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+
+
+# Admission never binds: the default batch limit (256, vLLM's default --max-num-seqs) from the
+# first moment, no prompt pacing. (The control tick's cost grows with --max-batch.)
+OPEN_ARGS = [
+    "--max-batch",
+    "256",
+    "--initial-batch",
+    "256",
+    "--warmup-s",
+    "0",
+    "--no-prefill-pacing",
+    "--max-queue-len",
+    "20000",
+]
+# One request at a time and a silent warm-up that outlasts the run: everything else queues.
+QUEUE_ARGS = [
+    "--max-batch",
+    "1",
+    "--initial-batch",
+    "1",
+    "--min-batch",
+    "1",
+    "--safe-batch",
+    "1",
+    "--warmup-s",
+    "1000",
+    "--max-queue-len",
+    "20000",
+    "--max-wait-s",
+    "600",
+    "--drain-grace-s",
+    "1",
+]
+
+
+# -- load ------------------------------------------------------------------------------------
+
+
+def body(stream: bool, tokens: int) -> bytes:
+    b: dict[str, Any] = {"model": "fake", "messages": PROMPT, "max_tokens": tokens}
+    if stream:
+        b["stream"] = True
+    return json.dumps(b).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    latency_s: float
+    ok: bool
+    events: int
+    lag_s: float  # how late the client sent it: the harness's own limit shows here
+
+
+async def one(
+    session: aiohttp.ClientSession,
+    url: str,
+    data: bytes,
+    stream: bool,
+    headers: dict[str, str],
+    lag_s: float = 0.0,
+) -> Result:
+    t0 = time.perf_counter()
+    events = 0
+    try:
+        async with session.post(url, data=data, headers=headers) as r:
+            if stream:
+                async for chunk in r.content.iter_any():
+                    events += chunk.count(b"data: {")
+            else:
+                await r.read()
+            ok = r.status == 200
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        ok = False
+    return Result(time.perf_counter() - t0, ok, events, lag_s)
+
+
+async def open_loop(
+    session: aiohttp.ClientSession,
+    urls: Sequence[str],
+    rate: float,
+    duration_s: float,
+    data: bytes,
+    stream: bool,
+    headers: dict[str, str] | None = None,
+) -> tuple[list[list[Result]], float]:
+    """Send at `rate` requests/s in all, taking `urls` in turn; results per URL and the time
+    until the last answer. Requests that fell due while the loop was busy go out together."""
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    total = max(len(urls), int(rate * duration_s))
+    tasks: list[asyncio.Task[Result]] = []
+    t0 = time.perf_counter()
+    i = 0
+    while i < total:
+        now = time.perf_counter()
+        due = min(total, int((now - t0) * rate) + 1)
+        while i < due:
+            lag = now - (t0 + i / rate)
+            url = urls[i % len(urls)]
+            tasks.append(asyncio.create_task(one(session, url, data, stream, hdrs, lag)))
+            i += 1
+        await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+    results = await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - t0
+    return [list(results[k :: len(urls)]) for k in range(len(urls))], elapsed
+
+
+def pct(xs: Sequence[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q / 100 * len(s)))]
+
+
+def lat_stats(rs: Sequence[Result]) -> dict[str, float]:
+    ok = [r.latency_s * 1000 for r in rs if r.ok]
+    return {
+        "n": len(rs),
+        "errors": sum(not r.ok for r in rs),
+        "mean_ms": sum(ok) / len(ok) if ok else float("nan"),
+        "p50_ms": pct(ok, 50),
+        "p90_ms": pct(ok, 90),
+        "p99_ms": pct(ok, 99),
+        "max_ms": max(ok, default=float("nan")),
+    }
+
+
+# -- phases ----------------------------------------------------------------------------------
+
+
+async def wait_for_limit(
+    session: aiohttp.ClientSession, url: str, at_least: int, timeout_s: float
+) -> dict[str, Any]:
+    """The proxy's enforced batch limit once it reaches `at_least` or `timeout_s` passes.
+
+    With no warm-up the controller starts small and grows in bounded steps each tick; the
+    latency parts should start once the limit is far above the load, so nothing queues."""
+    t0 = time.perf_counter()
+    while True:
+        async with session.get(url + "/status") as r:
+            st = await r.json()
+        limit = int(st["limits"]["enforced"]["max_requests"])
+        if limit >= at_least or time.perf_counter() - t0 >= timeout_s:
+            return {
+                "max_requests": limit,
+                "binding": st["binding"],
+                "waited_s": time.perf_counter() - t0,
+            }
+        await asyncio.sleep(0.5)
+
+
+async def phase_latency(
+    session: aiohttp.ClientSession,
+    direct: str,
+    proxy: str,
+    proxy_ps: psutil.Process,
+    rate: float,
+    duration_s: float,
+    stream: bool,
+    tokens: int,
+) -> dict[str, Any]:
+    """Direct and proxied requests alternate at `rate` each: the added latency, side by side."""
+    c0 = cpu_s(proxy_ps)
+    (rd, rp), elapsed = await open_loop(
+        session, [direct, proxy], 2 * rate, duration_s, body(stream, tokens), stream
+    )
+    cpu = cpu_s(proxy_ps) - c0
+    d, p = lat_stats(rd), lat_stats(rp)
+    added = {k: p[k] - d[k] for k in ("mean_ms", "p50_ms", "p90_ms", "p99_ms")}
+    return {
+        "rate_rps_each": rate,
+        "answer": f"sse x{tokens}" if stream else "json",
+        "direct": d,
+        "proxy": p,
+        "added_ms": added,
+        "proxy_cpu_ms_per_request": 1000 * cpu / max(1, len(rp)),
+        "client_lag_p99_ms": 1000 * pct([r.lag_s for r in rd + rp], 99),
+        "elapsed_s": elapsed,
+    }
+
+
+async def ramp(
+    session: aiohttp.ClientSession,
+    url: str,
+    ps: psutil.Process | None,
+    rates: Sequence[float],
+    step_s: float,
+    p99_limit_ms: float,
+) -> dict[str, Any]:
+    """Raise the offered rate until a step fails: >1% errors, <95% of the offered rate served,
+    p99 over `p99_limit_ms`, or the client falling behind its own schedule (then the harness,
+    not the target, is the limit, and the step says so)."""
+    steps: list[dict[str, Any]] = []
+    best = 0.0
+    data = body(False, 16)
+    for rate in rates:
+        c0 = cpu_s(ps) if ps else 0.0
+        client0 = cpu_s(psutil.Process())
+        (rs,), elapsed = await open_loop(session, [url], rate, step_s, data, False)
+        cpu = (cpu_s(ps) - c0) if ps else None
+        st = lat_stats(rs)
+        achieved = (st["n"] - st["errors"]) / elapsed
+        lag99 = pct([r.lag_s for r in rs], 99) * 1000
+        step: dict[str, Any] = {
+            "offered_rps": rate,
+            "achieved_rps": achieved,
+            **st,
+            "client_lag_p99_ms": lag99,
+            "client_cpu_util": (cpu_s(psutil.Process()) - client0) / elapsed,
+        }
+        if cpu is not None:
+            step["cpu_util"] = cpu / elapsed
+            step["cpu_ms_per_request"] = 1000 * cpu / max(1, st["n"])
+        failed = []
+        if st["errors"] > 0.01 * st["n"]:
+            failed.append("errors")
+        if achieved < 0.95 * rate:
+            failed.append("throughput")
+        if st["p99_ms"] > p99_limit_ms:
+            failed.append("p99")
+        if lag99 > 50:
+            failed.append("client lag")
+        step["failed"] = failed
+        steps.append(step)
+        if failed:
+            break
+        best = rate
+        await asyncio.sleep(0.3)
+    return {"steps": steps, "max_sustained_rps": best}
+
+
+async def sse_relay(
+    session: aiohttp.ClientSession,
+    url: str,
+    ps: psutil.Process | None,
+    streams: int,
+    events: int,
+    interval_ms: float,
+    duration_s: float,
+) -> dict[str, Any]:
+    """`streams` clients each pull streams of `events` events back to back for `duration_s`."""
+    data = body(True, events)
+    hdrs = {"Content-Type": "application/json", "x-fake-interval-ms": str(interval_ms)}
+    c0 = cpu_s(ps) if ps else 0.0
+    t0 = time.perf_counter()
+    results: list[Result] = []
+
+    async def worker() -> None:
+        while time.perf_counter() - t0 < duration_s:
+            results.append(await one(session, url, data, True, hdrs))
+
+    await asyncio.gather(*(worker() for _ in range(streams)))
+    elapsed = time.perf_counter() - t0
+    n_events = sum(r.events for r in results if r.ok)
+    out: dict[str, Any] = {
+        "streams": len(results),
+        "errors": sum(not r.ok for r in results),
+        "events": n_events,
+        "events_per_s": n_events / elapsed,
+        "stream_p50_ms": pct([r.latency_s * 1000 for r in results if r.ok], 50),
+    }
+    if ps:
+        cpu = cpu_s(ps) - c0
+        out["cpu_util"] = cpu / elapsed
+        out["cpu_us_per_event"] = 1e6 * cpu / max(1, n_events)
+    return out
+
+
+async def queue_memory(upstream: str, n: int, log_dir: Path, timeout_s: float) -> dict[str, Any]:
+    """RSS of a proxy holding `n` queued requests, then after the clients disconnect."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proxy = Proc("proxy-queue", proxy_argv(upstream, port, QUEUE_ARGS, None), log_dir)
+    await proxy.start(url + "/ready")
+    ps = proxy.ps
+    out: dict[str, Any] = {"target_queued": n}
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None)
+    try:
+        async with (
+            aiohttp.ClientSession(connector=connector, timeout=timeout) as flood,
+            aiohttp.ClientSession() as probe,
+        ):
+
+            async def queued() -> int:
+                async with probe.get(url + "/status") as r:
+                    q = (await r.json())["queue"]
+                    return int(sum(q["queued"].values()) + q["in_flight"])
+
+            # One idle request first, so the connection pools and caches exist before the base.
+            await one(flood, url + "/v1/chat/completions", body(False, 4), False, {})
+            await asyncio.sleep(0.5)
+            out["rss_idle_mb"] = ps.memory_info().rss / 2**20
+            hdrs = {"Content-Type": "application/json", "x-fake-delay-s": "600"}
+            data = body(False, 16)
+            t0 = time.perf_counter()
+            tasks = [
+                asyncio.create_task(one(flood, url + "/v1/chat/completions", data, False, hdrs))
+                for _ in range(n)
+            ]
+            held = 0
+            deadline = t0 + timeout_s
+            while time.perf_counter() < deadline:
+                await asyncio.sleep(0.25)
+                held = await queued()
+                if held >= n:
+                    break
+            out["queued"] = held
+            out["enqueue_s"] = time.perf_counter() - t0
+            await asyncio.sleep(0.5)
+            rss = ps.memory_info().rss / 2**20
+            out["rss_queued_mb"] = rss
+            out["kb_per_queued_request"] = 1024 * (rss - out["rss_idle_mb"]) / max(1, held)
+            out["proxy_fds"] = ps.num_fds()
+            t1 = time.perf_counter()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        # Queued requests leave as their clients go; the admitted one should too (its slot freed).
+        async with aiohttp.ClientSession() as probe2:
+            while True:
+                async with probe2.get(url + "/status") as r:
+                    q = (await r.json())["queue"]
+                if sum(q["queued"].values()) == 0 or time.perf_counter() - t1 > timeout_s:
+                    break
+                await asyncio.sleep(0.25)
+            await asyncio.sleep(1.0)
+            async with probe2.get(url + "/status") as r:
+                q = (await r.json())["queue"]
+        out["queued_after_cancel"] = sum(q["queued"].values())
+        out["in_flight_after_cancel"] = q["in_flight"]
+        out["clear_s"] = time.perf_counter() - t1 - 1.0
+        out["rss_after_cancel_mb"] = ps.memory_info().rss / 2**20
+    finally:
+        await proxy.stop()
+    return out
+
+
+# -- run -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    rate: float = 300.0
+    duration_s: float = 10.0
+    sse_tokens: int = 16
+    ramp_rates: tuple[float, ...] = (250, 500, 750, 1000, 1500, 2000, 2500, 3000, 4000, 5000)
+    ramp_step_s: float = 3.0
+    ramp_p99_limit_ms: float = 25.0
+    sse_streams: int = 32
+    sse_events: int = 64
+    sse_interval_ms: float = 1.0
+    sse_duration_s: float = 6.0
+    flood: int = 10_000
+    flood_timeout_s: float = 90.0
+    warmup_requests: int = 300
+    limit_wait_s: float = 30.0
+
+    @classmethod
+    def quick(cls) -> Config:
+        return cls(
+            rate=100,
+            duration_s=1.0,
+            ramp_rates=(100, 200),
+            ramp_step_s=1.0,
+            sse_streams=4,
+            sse_events=16,
+            sse_duration_s=1.0,
+            flood=300,
+            flood_timeout_s=20,
+            warmup_requests=50,
+            limit_wait_s=0.0,
+        )
+
+
+async def run(cfg: Config, log_dir: Path, profile: Path | None) -> dict[str, Any]:
+    up_port, px_port = free_port(), free_port()
+    upstream = f"http://127.0.0.1:{up_port}"
+    proxy_url = f"http://127.0.0.1:{px_port}"
+    up = Proc(
+        "fake-upstream",
+        [sys.executable, str(HERE / "fake_upstream.py"), "--port", str(up_port)],
+        log_dir,
+    )
+    proxy = Proc("proxy", proxy_argv(upstream, px_port, OPEN_ARGS, profile), log_dir)
+    log("starting the fake upstream and the proxy")
+    await up.start(upstream + "/health")
+    out: dict[str, Any] = {"config": asdict(cfg)}
+    try:
+        await proxy.start(proxy_url + "/ready")
+        direct_c, proxy_c = upstream + "/v1/chat/completions", proxy_url + "/v1/chat/completions"
+        connector = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            warm = cfg.warmup_requests
+            await open_loop(session, [direct_c, proxy_c], 200, warm / 200, body(False, 16), False)
+            await open_loop(session, [direct_c, proxy_c], 200, warm / 400, body(True, 16), True)
+            out["proxy_limit"] = await wait_for_limit(session, proxy_url, 230, cfg.limit_wait_s)
+            lat = {}
+            for name, stream in (("json", False), ("sse", True)):
+                log(f"latency, {name} answers, {cfg.rate:.0f} rps to each side")
+                lat[name] = await phase_latency(
+                    session,
+                    direct_c,
+                    proxy_c,
+                    proxy.ps,
+                    cfg.rate,
+                    cfg.duration_s,
+                    stream,
+                    cfg.sse_tokens,
+                )
+            out["latency"] = lat
+            out["proxy_limit_after_latency"] = await wait_for_limit(session, proxy_url, 0, 0)
+            mr = {}
+            for name, url, ps in (("proxy", proxy_c, proxy.ps), ("direct", direct_c, up.ps)):
+                log(f"rate ramp, {name}")
+                mr[name] = await ramp(
+                    session, url, ps, cfg.ramp_rates, cfg.ramp_step_s, cfg.ramp_p99_limit_ms
+                )
+            best = [s for s in mr["proxy"]["steps"] if not s["failed"]] or mr["proxy"]["steps"][:1]
+            cpu_ms = best[-1].get("cpu_ms_per_request") or float("nan")
+            mr["proxy_cpu_bound_rps"] = 1000 / cpu_ms if cpu_ms == cpu_ms and cpu_ms else None
+            out["max_rate"] = mr
+            sse = {}
+            for name, url, ps in (("proxy", proxy_c, proxy.ps), ("direct", direct_c, None)):
+                log(f"SSE relay, {name}")
+                sse[name] = await sse_relay(
+                    session,
+                    url,
+                    ps,
+                    cfg.sse_streams,
+                    cfg.sse_events,
+                    cfg.sse_interval_ms,
+                    cfg.sse_duration_s,
+                )
+            cpu_ev = sse["proxy"].get("cpu_us_per_event")
+            sse["proxy_cpu_bound_events_per_s"] = 1e6 / cpu_ev if cpu_ev else None
+            out["sse_relay"] = sse
+        out["proxy_rss_after_load_mb"] = proxy.ps.memory_info().rss / 2**20
+    finally:
+        log("stopping the proxy")
+        await proxy.stop()
+        try:
+            log(f"queue memory: {cfg.flood:,} requests queued")
+            out["queue_memory"] = await queue_memory(
+                upstream, cfg.flood, log_dir, cfg.flood_timeout_s
+            )
+        finally:
+            await up.stop()
+    return out
+
+
+def _finite(x: Any) -> Any:
+    """NaN (no sample) as null, so the file is strict JSON."""
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "aiohttp": aiohttp.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def render(r: dict[str, Any]) -> str:
+    """The figures as a table: direct, through the proxy, and the difference or ratio."""
+
+    def f(x: Any, nd: int = 2) -> str:
+        if x is None:
+            return "-"
+        return f"{x:,.{nd}f}" if isinstance(x, float) else f"{x:,}"
+
+    lines = [f"{'figure':<46} {'direct':>11} {'proxy':>11} {'added/ratio':>11}"]
+
+    def row(name: str, d: str = "", p: str = "", a: str = "") -> None:
+        lines.append(f"{name:<46} {d:>11} {p:>11} {a:>11}".rstrip())
+
+    for name, lat in r["latency"].items():
+        d, p, a = lat["direct"], lat["proxy"], lat["added_ms"]
+        head = f"latency {name} @{lat['rate_rps_each']:.0f} rps each"
+        for k in ("p50_ms", "p90_ms", "p99_ms"):
+            row(f"{head} {k}", f(d[k], 3), f(p[k], 3), f(a[k], 3))
+        row(f"{head} errors", f(d["errors"]), f(p["errors"]))
+        row(f"proxy CPU per request ({name}), ms", "", f(lat["proxy_cpu_ms_per_request"], 3))
+    mr = r["max_rate"]
+    dmax, pmax = mr["direct"]["max_sustained_rps"], mr["proxy"]["max_sustained_rps"]
+    row("max sustained rate (json), rps", f(dmax, 0), f(pmax, 0), f(pmax / dmax if dmax else None))
+    row("proxy CPU-bound rate, one core, rps", "", f(mr["proxy_cpu_bound_rps"], 0))
+    s = r["sse_relay"]
+    d_ev, p_ev = s["direct"]["events_per_s"], s["proxy"]["events_per_s"]
+    row("SSE events/s relayed", f(d_ev, 0), f(p_ev, 0), f(p_ev / d_ev if d_ev else None))
+    row("proxy CPU per SSE event, us", "", f(s["proxy"].get("cpu_us_per_event"), 1))
+    row("proxy CPU-bound SSE events/s, one core", "", f(s["proxy_cpu_bound_events_per_s"], 0))
+    q = r["queue_memory"]
+    row("proxy RSS idle, MB", "", f(q["rss_idle_mb"], 1))
+    row(f"proxy RSS with {q['queued']:,} queued, MB", "", f(q["rss_queued_mb"], 1))
+    row("proxy RSS per queued request, KB", "", f(q["kb_per_queued_request"], 1))
+    row("proxy RSS after the clients left, MB", "", f(q["rss_after_cancel_mb"], 1))
+    row("in flight after the clients left (expect 0)", "", f(q["in_flight_after_cancel"]))
+    t = r["targets"]
+    lines.append(
+        f"targets at {r['latency']['json']['rate_rps_each']:.0f} rps: p50 added < 0.5 ms "
+        f"{'met' if t['p50_added_under_0_5ms'] else 'MISSED'}, p99 added < 2 ms "
+        f"{'met' if t['p99_added_under_2ms'] else 'MISSED'}"
+    )
+    return "\n".join(lines)
+
+
+def print_profile(path: Path, n: int = 25) -> str:
+    import io
+
+    buf = io.StringIO()
+    st = pstats.Stats(str(path), stream=buf)
+    st.sort_stats("tottime").print_stats(n)
+    return buf.getvalue()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny counts: a smoke test")
+    p.add_argument("--rate", type=float, help="requests/s to each side in the latency part")
+    p.add_argument("--duration", type=float, help="seconds of each latency part")
+    p.add_argument("--flood", type=int, help="requests queued for the memory part")
+    p.add_argument("--out", default=str(REPO / "results/overhead/overhead.json"))
+    p.add_argument("--log-dir", default=None, help="child logs (default: next to --out)")
+    p.add_argument("--profile", help="run the proxy under cProfile, write the stats here")
+    a = p.parse_args(argv)
+    cfg = Config.quick() if a.quick else Config()
+    over = {"rate": a.rate, "duration_s": a.duration, "flood": a.flood}
+    cfg = Config(**{**asdict(cfg), **{k: v for k, v in over.items() if v is not None}})
+    # 10k queued requests are 10k sockets on each side of the proxy.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard, max(soft, 2 * cfg.flood + 1024))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(a.log_dir) if a.log_dir else out.parent / "logs"
+    profile = Path(a.profile).resolve() if a.profile else None
+    r = asyncio.run(run(cfg, log_dir, profile))
+    r["machine"] = machine()
+    j = r["latency"]["json"]["added_ms"]
+    r["targets"] = {
+        "p50_added_under_0_5ms": j["p50_ms"] < 0.5,
+        "p99_added_under_2ms": j["p99_ms"] < 2.0,
+    }
+    out.write_text(json.dumps(_finite(r), indent=2))
+    print(render(r))
+    print(f"\nwrote {out}")
+    if profile and profile.exists():
+        print(print_profile(profile))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

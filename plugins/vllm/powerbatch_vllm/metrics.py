@@ -1,0 +1,200 @@
+"""`powerbatch_*` metrics and status of the in-engine controller, on an HTTP endpoint of its own.
+
+The scheduler runs in vLLM's EngineCore process, which the API server's /metrics cannot see, so
+the plugin serves its own: /metrics (Prometheus text), /status and /history (JSON). With the
+model power source it also exports the modelled watts as `DCGM_FI_DEV_POWER_USAGE`, so anything
+that reads dcgm-exporter (the powerbatch proxy, a dashboard) can read the model the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from powerbatch.control import BINDINGS, CONSTRAINTS
+
+log = logging.getLogger("vllm.powerbatch")
+
+STATES = ("starting", "warmup", "enforce", "observe", "fail_closed")
+KNOBS = ("active_requests", "step_tokens", "kv_blocks")
+
+
+class PluginMetrics:
+    """One registry per engine; names match the proxy's where the meaning is the same."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.power_w = Gauge("powerbatch_power_watts", "Measured power, smoothed", registry=r)
+        self.power_raw_w = Gauge(
+            "powerbatch_power_raw_watts", "Latest power sample, outliers removed", registry=r
+        )
+        self.predicted_upper_w = Gauge(
+            "powerbatch_power_predicted_upper_watts",
+            "Upper prediction bound at the chosen batch",
+            registry=r,
+        )
+        self.ceiling_w = Gauge("powerbatch_power_ceiling_watts", "Hard ceiling", registry=r)
+        self.target_w = Gauge(
+            "powerbatch_power_target_watts", "Ceiling less margin and multiplier", registry=r
+        )
+        self.sensor_ok = Gauge(
+            "powerbatch_sensor_ok", "1 while the power reading is trusted", registry=r
+        )
+        self.limit_requests = Gauge(
+            "powerbatch_limit_requests",
+            "Controller's batch limit (requests in the running set)",
+            ["kind"],
+            registry=r,
+        )
+        self.limit_kv_tokens = Gauge(
+            "powerbatch_limit_kv_tokens", "Controller's KV token limit", ["kind"], registry=r
+        )
+        self.limit_prefill = Gauge(
+            "powerbatch_limit_prefill_tokens_per_second",
+            "Prefill pace (0 when not paced)",
+            registry=r,
+        )
+        self.engine_limit = Gauge(
+            "powerbatch_engine_limit",
+            "Limit in force in vLLM's scheduler, in the engine's units",
+            ["knob"],
+            registry=r,
+        )
+        self.engine_configured = Gauge(
+            "powerbatch_engine_configured",
+            "What vLLM was configured with: the limits never exceed these",
+            ["knob"],
+            registry=r,
+        )
+        self.running = Gauge(
+            "powerbatch_engine_requests_running", "Requests in the running set", registry=r
+        )
+        self.waiting = Gauge(
+            "powerbatch_engine_requests_waiting", "Requests waiting in vLLM", registry=r
+        )
+        self.kv_usage = Gauge(
+            "powerbatch_engine_kv_cache_usage_ratio", "KV blocks in use, 0..1", registry=r
+        )
+        self.step_s = Gauge(
+            "powerbatch_engine_step_seconds", "Smoothed interval between busy steps", registry=r
+        )
+        self.feature = Gauge(
+            "powerbatch_feature",
+            "What the power model regresses on, smoothed",
+            ["name"],
+            registry=r,
+        )
+        self.multiplier = Gauge(
+            "powerbatch_multiplier",
+            "Lagrange multiplier per constraint",
+            ["constraint"],
+            registry=r,
+        )
+        self.binding = Gauge(
+            "powerbatch_binding_constraint",
+            "1 for the constraint setting the batch",
+            ["constraint"],
+            registry=r,
+        )
+        self.state = Gauge(
+            "powerbatch_controller_state", "1 for the controller's state", ["state"], registry=r
+        )
+        self.ticks = Counter("powerbatch_control_ticks", "Control decisions made", registry=r)
+        self.tick_errors = Counter(
+            "powerbatch_control_tick_errors", "Ticks that failed (safe limits held)", registry=r
+        )
+        for c in CONSTRAINTS:
+            self.multiplier.labels(c)
+        for b in BINDINGS:
+            self.binding.labels(b)
+        for s in STATES:
+            self.state.labels(s).set(1.0 if s == "starting" else 0.0)
+        self.sensor_ok.set(0.0)
+        self.power_w.set(math.nan)
+
+    def set_one_hot(self, gauge: Gauge, names: tuple[str, ...], active: str) -> None:
+        for n in names:
+            gauge.labels(n).set(1.0 if n == active else 0.0)
+
+
+def dcgm_text(power_w: float | None, gpu: str, model_name: str) -> str:
+    """The modelled power in dcgm-exporter's format (empty while there is no reading)."""
+    if power_w is None or not math.isfinite(power_w):
+        return ""
+    return (
+        "# HELP DCGM_FI_DEV_POWER_USAGE Power draw (in W), modelled by powerbatch-vllm.\n"
+        "# TYPE DCGM_FI_DEV_POWER_USAGE gauge\n"
+        f'DCGM_FI_DEV_POWER_USAGE{{gpu="{gpu}",modelName="{model_name}"}} {power_w:.3f}\n'
+    )
+
+
+class StatusServer:
+    """A small threaded HTTP server; handlers only read state the control thread publishes."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        metrics: PluginMetrics,
+        extra_text: Callable[[], str],
+        status: Callable[[], dict[str, Any]],
+        history: Callable[[], list[dict[str, Any]]],
+    ) -> None:
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                try:
+                    if path == "/metrics":
+                        body = generate_latest(outer.metrics.registry) + outer.extra().encode()
+                        ctype = CONTENT_TYPE_LATEST
+                    elif path == "/status":
+                        body, ctype = json.dumps(outer.status()).encode(), "application/json"
+                    elif path == "/history":
+                        body, ctype = json.dumps(outer.history()).encode(), "application/json"
+                    else:
+                        self.send_error(404)
+                        return
+                except Exception as exc:  # a bug here must not take the engine down
+                    log.exception("status endpoint failed")
+                    self.send_error(500, str(exc))
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return None
+
+        self.metrics = metrics
+        self.extra = extra_text
+        self.status = status
+        self.history = history
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="powerbatch-metrics", daemon=True
+        )
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

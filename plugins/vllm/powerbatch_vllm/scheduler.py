@@ -1,0 +1,189 @@
+"""vLLM V1 schedulers that hold a power ceiling: pass one with `--scheduler-cls`.
+
+    vllm serve MODEL --scheduler-cls powerbatch_vllm.scheduler.PowerbatchAsyncScheduler
+
+Each `schedule()` applies the control thread's latest limits through vLLM's own knobs, then lets
+vLLM schedule as usual:
+
+* `max_num_active_reqs`: admission into the running set (requests already running finish; the
+  set shrinks as they do, so nothing is preempted by a lower limit);
+* `max_num_scheduled_tokens`: the step's token budget, running decodes plus the paced prefill
+  (prefill is the main source of power spikes);
+* KV: a new request is not admitted while the running set's KV commitment (prompt +
+  max_tokens of each request, as the proxy counts it) would pass the cap; running requests
+  keep growing (capping them would mean preempting).
+
+No value is ever raised above what vLLM was configured with. Use the async flavour wherever vLLM
+would schedule asynchronously (GPU deployments); the plain one where it would not (e.g. CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from powerbatch_vllm.compat import check_vllm_version, installed_vllm_version
+
+check_vllm_version(installed_vllm_version())
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from powerbatch_vllm.config import load_config  # noqa: E402
+from powerbatch_vllm.control import ControlThread  # noqa: E402
+from powerbatch_vllm.engine import EngineCaps, StepStats  # noqa: E402
+
+log = logging.getLogger("vllm.powerbatch")
+
+_NEEDED = ("max_num_active_reqs", "max_num_scheduled_tokens", "kv_cache_manager", "running")
+_ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _PowerbatchMixin:
+    """The hooks, shared by both flavours; state lives in `_pb_*` attributes."""
+
+    _pb: ControlThread
+    _pb_caps: EngineCaps
+    _pb_stats: StepStats
+    _pb_kv_cap: int
+    _pb_committed: int  # KV tokens the running set will hold at most: prompt + max_tokens
+
+    def _pb_setup(self) -> None:
+        s: Any = self
+        missing = [name for name in _NEEDED if not hasattr(s, name)]
+        if missing:
+            raise RuntimeError(
+                f"powerbatch-vllm: this vLLM's scheduler lacks {', '.join(missing)}; "
+                "the plugin does not support this version"
+            )
+        cfg = load_config()
+        pool = s.kv_cache_manager.block_pool
+        spec = int(getattr(s, "num_spec_tokens", 0) or 0)
+        self._pb_caps = EngineCaps(
+            max_active_reqs=int(s.max_num_active_reqs),
+            max_step_tokens=int(s.max_num_scheduled_tokens),
+            num_kv_blocks=int(pool.num_gpu_blocks) - 1,  # less vLLM's null block
+            block_size=int(s.block_size),
+            tokens_per_decode=1 + spec,
+            chunked_prefill=bool(s.scheduler_config.enable_chunked_prefill),
+        )
+        self._pb_stats = StepStats()
+        self._pb_kv_cap = self._pb_caps.num_kv_blocks
+        self._pb_committed = 0
+        parallel = s.vllm_config.parallel_config
+        dp_rank = int(getattr(parallel, "data_parallel_index", parallel.data_parallel_rank) or 0)
+        self._pb = ControlThread(cfg, self._pb_caps, self._pb_stats, dp_rank=dp_rank)
+        # The KV cap gates admissions inside vLLM's own allocation call, so a refused request
+        # takes exactly vLLM's "no room" path (stop admitting this step), nothing new.
+        s.kv_cache_manager.allocate_slots = self._pb_wrap_allocate(
+            s.kv_cache_manager.allocate_slots
+        )
+        if not self._pb_caps.chunked_prefill and cfg.prefill_pacing:
+            log.warning("powerbatch-vllm: chunked prefill is off, so prefill is not paced")
+        self._pb.start()
+        log.info(
+            "powerbatch-vllm %s: ceiling %.0f W, power source %s, mode %s; vLLM caps %s",
+            type(self).__name__,
+            cfg.ceiling_w,
+            cfg.power_source,
+            cfg.mode,
+            self._pb_caps,
+        )
+
+    def _pb_wrap_allocate(self, allocate: Any) -> Any:
+        s: Any = self
+        cap_all = self._pb_caps.kv_tokens
+
+        def allocate_slots(request: Any, *args: Any, **kwargs: Any) -> Any:
+            admitting = request.status in _ADMITTING
+            need = 0
+            if admitting:
+                need = int(request.num_prompt_tokens) + int(request.max_tokens)
+                cap = self._pb_kv_cap * self._pb_caps.block_size
+                if cap < cap_all and s.running and self._pb_committed + need > cap:
+                    return None
+            blocks = allocate(request, *args, **kwargs)
+            if blocks is not None:
+                self._pb_committed += need
+            return blocks
+
+        return allocate_slots
+
+    def _pb_before(self) -> None:
+        s: Any = self
+        lim = self._pb.limits  # one attribute read: the thread swaps whole objects
+        s.max_num_active_reqs = lim.max_active_reqs
+        s.max_num_scheduled_tokens = lim.step_tokens(self._pb_caps, len(s.running))
+        self._pb_kv_cap = lim.max_kv_blocks
+
+    def _pb_after(self, out: Any) -> None:
+        s: Any = self
+        threshold = self._pb_caps.tokens_per_decode
+        prefill = decode = decode_reqs = 0
+        for n in out.num_scheduled_tokens.values():
+            if n > threshold:
+                prefill += n
+            else:
+                decode += n
+                decode_reqs += 1
+        # The KV cap is on what the running set will hold (prompt + max_tokens, as the proxy
+        # counts), not on blocks in use now: a cap on current use would lock in a low level,
+        # since requests still in prefill hold few blocks.
+        self._pb_committed = sum(r.num_prompt_tokens + r.max_tokens for r in s.running)
+        running, waiting = s.get_request_counts()
+        free = s.kv_cache_manager.block_pool.get_num_free_blocks()
+        self._pb_stats.record(
+            running=running,
+            waiting=waiting,
+            decode_reqs=decode_reqs,
+            decode_tokens=decode,
+            prefill_tokens=prefill,
+            kv_blocks_used=self._pb_caps.num_kv_blocks - free,
+            kv_committed_tokens=self._pb_committed,
+        )
+
+    def _pb_shutdown(self) -> None:
+        pb = getattr(self, "_pb", None)
+        if pb is not None:
+            pb.stop()
+
+
+class PowerbatchScheduler(_PowerbatchMixin, Scheduler):
+    """vLLM's synchronous V1 `Scheduler` under a power ceiling."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pb_setup()
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._pb_before()
+        out = super().schedule(*args, **kwargs)
+        self._pb_after(out)
+        return out
+
+    def shutdown(self) -> None:
+        self._pb_shutdown()
+        super().shutdown()
+
+
+class PowerbatchAsyncScheduler(_PowerbatchMixin, AsyncScheduler):
+    """vLLM's `AsyncScheduler` (GPU deployments schedule asynchronously) under a power ceiling."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pb_setup()
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._pb_before()
+        out = super().schedule(*args, **kwargs)
+        self._pb_after(out)
+        return out
+
+    def shutdown(self) -> None:
+        self._pb_shutdown()
+        super().shutdown()

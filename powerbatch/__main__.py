@@ -1,0 +1,5 @@
+import sys
+
+from powerbatch.cli.main import main
+
+sys.exit(main())

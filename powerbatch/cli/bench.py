@@ -1,0 +1,236 @@
+"""`powerbatch bench`: the same seeded load through each arm, repeated, side by side.
+
+Arms: `none` (the simulated server alone), `hwcap` (its hardware power limit at the ceiling),
+`static` (a fixed batch limit, vLLM's --max-num-seqs, as an operator would tune it) and
+`dynamic` (powerbatch in front). Each arm gets a fresh simulator, so no run warms the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from rich.console import Console
+from rich.table import Table
+
+from powerbatch.cli.report import RunData, plot_runs, summarize
+from powerbatch.cli.stack import Stack
+from powerbatch.load import PROFILES, LoadProfile, run_load
+
+ARMS = ("none", "hwcap", "static", "dynamic")
+DEFAULT_CEILING_W = 560.0
+
+
+def add_common(p: argparse.ArgumentParser, duration_s: float) -> None:
+    p.add_argument("--ceiling-w", type=float, default=DEFAULT_CEILING_W)
+    p.add_argument("--profile", default="bursty", choices=sorted(PROFILES), help="load profile")
+    p.add_argument("--gpu", default="h100-llama8b", help="simulated GPU profile")
+    p.add_argument("--duration-s", type=float, default=duration_s)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--stream-interval-tokens",
+        type=int,
+        default=4,
+        help="tokens per SSE event from the simulator (CPU budget)",
+    )
+    p.add_argument("--ttft-slo-s", type=float, default=2.0)
+    p.add_argument("--tpot-slo-s", type=float, default=0.1)
+    p.add_argument("--valley-fill", action=argparse.BooleanOptionalAction, default=False)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("bench", help="compare no control, hardware cap, static limit, powerbatch")
+    add_common(p, 60.0)
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--static-batch", type=int, default=32, help="batch limit of the static arm")
+    p.add_argument("--out", type=Path, default=Path("results/bench"))
+    p.set_defaults(func=main)
+
+
+async def fetch_json(session: aiohttp.ClientSession, url: str) -> Any:
+    async with session.get(url) as resp:
+        resp.raise_for_status()
+        return await resp.json()
+
+
+def proxy_args(a: argparse.Namespace) -> list[str]:
+    args = [
+        "--ceiling-w",
+        str(a.ceiling_w),
+        "--ttft-slo-s",
+        str(a.ttft_slo_s),
+        "--tpot-slo-s",
+        str(a.tpot_slo_s),
+        "--log-level",
+        "warning",
+    ]
+    if a.valley_fill:
+        args.append("--valley-fill")
+    return args
+
+
+async def run_arm(
+    arm: str,
+    a: argparse.Namespace,
+    profile: LoadProfile,
+    log_dir: Path,
+    *,
+    static_batch: int = 32,
+    during: Callable[[Stack, float], Coroutine[Any, Any, None]] | None = None,
+) -> RunData:
+    """One run of one arm: fresh simulator (and proxy), the seeded load, the traces."""
+    sim_args = [
+        "--profile",
+        a.gpu,
+        "--stream-interval-tokens",
+        str(a.stream_interval_tokens),
+        "--seed",
+        str(a.seed),
+    ]
+    if arm == "hwcap":
+        sim_args += ["--power-limit-w", str(a.ceiling_w)]
+    if arm == "static":
+        sim_args += ["--max-num-seqs", str(static_batch)]
+    plan = profile.plan(a.duration_s, a.seed)
+    async with Stack(
+        log_dir / arm, sim_args=sim_args, proxy_args=proxy_args(a), with_proxy=arm == "dynamic"
+    ) as stack:
+        t0 = time.monotonic()
+        load = asyncio.create_task(run_load(stack.entry_url, plan))
+        watcher = asyncio.create_task(during(stack, t0)) if during else None
+        results = await load
+        if watcher:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        async with aiohttp.ClientSession() as session:
+            trace = await fetch_json(session, f"{stack.sim_url}/sim/trace?since_s={t0 - 1}")
+            history = None
+            if stack.proxy:
+                history = await fetch_json(
+                    session, f"{stack.proxy_url}/status/history?since_s={t0 - 10}"
+                )
+    return RunData(arm, a.ceiling_w, profile, t0, a.duration_s, results, trace, history)
+
+
+def _fmt(x: Any, spec: str = ".1f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean and spread (stdev over repeats) of each scalar figure."""
+    out: dict[str, Any] = {}
+    for key, value in summaries[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            xs = [s[key] for s in summaries if s[key] is not None]
+            out[key] = {
+                "mean": statistics.fmean(xs) if xs else None,
+                "sd": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+            }
+    lat: dict[str, Any] = {}
+    for p, figures in summaries[0]["latency"].items():
+        lat[p] = {}
+        for k in figures:
+            xs = [s["latency"][p][k] for s in summaries if s["latency"][p][k] is not None]
+            lat[p][k] = statistics.fmean(xs) if xs else None
+    out["latency"] = lat
+    return out
+
+
+def table(results: dict[str, dict[str, Any]], console: Console, title: str) -> None:
+    t = Table(title=title)
+    t.add_column("figure")
+    for arm in results:
+        t.add_column(arm, justify="right")
+
+    def row(label: str, key: str, spec: str = ".1f", scale: float = 1.0) -> None:
+        cells = []
+        for agg in results.values():
+            v = agg.get(key)
+            if v is None or v["mean"] is None:
+                cells.append("—")
+            else:
+                cells.append(f"{v['mean'] * scale:{spec}} ± {v['sd'] * scale:{spec}}")
+        t.add_row(label, *cells)
+
+    row("time above ceiling, %", "frac_above_ceiling", ".2f", 100)
+    row("largest overshoot, W", "max_overshoot_w")
+    row("sd of 1-s power in bursts, W", "power_std_high_w")
+    row("sd of 1-s power, whole run, W", "power_std_w")
+    row("mean power, W", "power_mean_w")
+    row("output tokens/s", "output_tok_s", ".0f")
+    row("J per output token", "j_per_token", ".3f")
+    row("goodput, req/s in SLO", "goodput_rps", ".2f")
+    row("429 answers", "http_429", ".0f")
+    row("503 answers", "http_503", ".0f")
+    for p in ("high", "normal", "low"):
+        cells = [_fmt(agg["latency"][p]["ttft_p95_s"], ".2f") for agg in results.values()]
+        t.add_row(f"p95 TTFT {p}, s", *cells)
+    for p in ("high", "normal", "low"):
+        cells = [_fmt(agg["latency"][p]["tpot_p95_s"], ".3f") for agg in results.values()]
+        t.add_row(f"p95 time/token {p}, s", *cells)
+    console.print(t)
+
+
+async def _bench(a: argparse.Namespace) -> int:
+    console = Console()
+    arms = [x.strip() for x in a.arms.split(",") if x.strip()]
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        console.print(f"[red]unknown arms: {', '.join(sorted(unknown))}")
+        return 2
+    profile = PROFILES[a.profile]()
+    a.out.mkdir(parents=True, exist_ok=True)
+    per_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+    first_runs: list[RunData] = []
+    total = len(arms) * a.repeats
+    done = 0
+    for rep in range(a.repeats):
+        for arm in arms:
+            done += 1
+            console.print(
+                f"[{done}/{total}] arm [bold]{arm}[/], repeat {rep + 1}: "
+                f"{a.duration_s:.0f} s of {profile.name} load at seed {a.seed + rep}"
+            )
+            args = argparse.Namespace(**{**vars(a), "seed": a.seed + rep})
+            run = await run_arm(arm, args, profile, a.out / "logs", static_batch=a.static_batch)
+            s = summarize(run, a.ttft_slo_s, a.tpot_slo_s)
+            per_arm[arm].append(s)
+            console.print(
+                f"    above ceiling {100 * (s['frac_above_ceiling'] or 0):.2f}%  "
+                f"sd(burst) {_fmt(s['power_std_high_w'])} W  tok/s {s['output_tok_s']:.0f}  "
+                f"J/tok {_fmt(s['j_per_token'], '.3f')}  ok {s['ok']}/{s['requests']}"
+            )
+            if rep == 0:
+                first_runs.append(run)
+    results = {arm: aggregate(summaries) for arm, summaries in per_arm.items()}
+    title = (
+        f"{profile.name} load, {a.duration_s:.0f} s, ceiling {a.ceiling_w:.0f} W, "
+        f"{a.gpu}, {a.repeats} repeat(s)"
+    )
+    table(results, console, title)
+    (a.out / "results.json").write_text(
+        json.dumps(
+            {
+                "title": title,
+                "args": {k: str(v) for k, v in vars(a).items() if k != "func"},
+                "aggregate": results,
+                "runs": per_arm,
+            },
+            indent=2,
+        )
+    )
+    png = plot_runs(first_runs, a.out / "power.png", title)
+    console.print(f"wrote {a.out / 'results.json'} and {png}")
+    return 0
+
+
+def main(a: argparse.Namespace) -> int:
+    return asyncio.run(_bench(a))

@@ -1,0 +1,97 @@
+"""The `powerbatch` command: sim, serve, demo, replay, bench, config-reference."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from powerbatch.cli.options import SERVE_OPTIONS, add_arguments, reference_markdown, resolve
+from powerbatch.errors import PowerbatchError
+
+
+def _sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from powerbatch.sim import PROFILES
+
+    p = sub.add_parser("sim", help="run the simulated GPU behind an OpenAI-compatible server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--profile", default="h100-llama8b", choices=sorted(PROFILES))
+    p.add_argument("--model-name", default="sim-llama")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--kv-capacity-tokens", type=int, default=400_000)
+    p.add_argument("--max-num-queued-reqs", type=int, default=None)
+    p.add_argument("--power-limit-w", type=float, default=None, help="hardware cap (default TDP)")
+    p.add_argument("--stream-interval-tokens", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _run_sim(a: argparse.Namespace) -> None:
+    from powerbatch.sim import run_sim_server
+
+    asyncio.run(
+        run_sim_server(
+            a.host,
+            a.port,
+            model_name=a.model_name,
+            stream_interval_tokens=a.stream_interval_tokens,
+            max_model_len=a.max_model_len,
+            profile=a.profile,
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            kv_capacity_tokens=a.kv_capacity_tokens,
+            max_num_queued_reqs=a.max_num_queued_reqs,
+            power_limit_w=a.power_limit_w,
+            seed=a.seed,
+        )
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="powerbatch", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _sim_parser(sub)
+    serve = sub.add_parser("serve", help="run the power-aware proxy in front of an upstream")
+    add_arguments(serve, SERVE_OPTIONS)
+
+    from powerbatch.cli import bench, demo, replay
+
+    demo.add_parser(sub)
+    replay.add_parser(sub)
+    bench.add_parser(sub)
+    sub.add_parser("config-reference", help="print every serve setting as a markdown table")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "sim":
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+            _run_sim(args)
+        elif args.command == "serve":
+            from powerbatch.cli.serve import serve
+
+            opts = resolve(SERVE_OPTIONS, args)
+            logging.basicConfig(
+                level=opts["log_level"].upper(), format="%(asctime)s %(name)s %(message)s"
+            )
+            asyncio.run(serve(opts))
+        elif args.command == "config-reference":
+            sys.stdout.write(reference_markdown())
+        else:
+            return int(args.func(args))
+    except PowerbatchError as exc:
+        print(f"powerbatch: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""What a run measured: 1-second power from the simulator's own energy counter, latency from
+the client's side, and the figures the comparison reports. Plots go to PNG with matplotlib."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from powerbatch.admission import PRIORITIES
+from powerbatch.load import LoadProfile, RequestResult
+
+
+@dataclass
+class RunData:
+    arm: str
+    ceiling_w: float
+    profile: LoadProfile
+    t0_s: float  # monotonic time the load started (the clock the simulator's trace uses)
+    load_s: float  # how long arrivals ran
+    results: list[RequestResult]
+    trace: dict[str, list[float]]  # the simulator's /sim/trace columns
+    history: dict[str, list[Any]] | None = None  # the proxy's /status/history, if any
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def power_1s(
+    trace: dict[str, list[float]], t0_s: float, t1_s: float
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """Mean power in each whole second of [t0, t1], exact from the cumulative energy counter."""
+    t_end = np.asarray(trace["t_s"], float)
+    energy = np.asarray(trace["energy_j"], float)
+    if len(t_end) < 2:
+        return np.empty(0), np.empty(0)
+    edges = t0_s + np.arange(0, int(t1_s - t0_s) + 1, 1.0)
+    e = np.interp(edges, t_end, energy)
+    return edges[:-1] - t0_s + 0.5, np.diff(e) / np.diff(edges)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(run: RunData, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, Any]:
+    t_mid, p1 = power_1s(run.trace, run.t0_s, run.t0_s + run.load_s)
+    rates = [ph.rate_rps for ph in run.profile.phases]
+    high = np.array([rates[run.profile.phase_at(t)] == max(rates) for t in t_mid], bool)
+    ok = [r for r in run.results if r.ok]
+    end_s = max((r.t_start_s + r.e2e_s for r in run.results), default=run.load_s)
+    t_end = np.asarray(run.trace["t_s"], float)
+    e_cum = np.asarray(run.trace["energy_j"], float)
+    energy_j = float(np.interp(run.t0_s + end_s, t_end, e_cum) - np.interp(run.t0_s, t_end, e_cum))
+    tokens = sum(r.output_tokens for r in ok)
+    good = [
+        r
+        for r in ok
+        if r.ttft_s is not None
+        and r.ttft_s <= ttft_slo_s
+        and (r.tpot_s is None or r.tpot_s <= tpot_slo_s)
+    ]
+    latency: dict[str, dict[str, float | None]] = {}
+    for p in PRIORITIES:
+        ttft = [r.ttft_s for r in ok if r.priority == p and r.ttft_s is not None]
+        tpot = [t for r in ok if r.priority == p and (t := r.tpot_s) is not None]
+        latency[p] = {
+            "n": len(ttft),
+            "ttft_p50_s": _pct(ttft, 50),
+            "ttft_p95_s": _pct(ttft, 95),
+            "ttft_p99_s": _pct(ttft, 99),
+            "tpot_p50_s": _pct(tpot, 50),
+            "tpot_p95_s": _pct(tpot, 95),
+            "tpot_p99_s": _pct(tpot, 99),
+        }
+    statuses = [r.status for r in run.results]
+    return {
+        "arm": run.arm,
+        "ceiling_w": run.ceiling_w,
+        "seconds": len(p1),
+        "frac_above_ceiling": float(np.mean(p1 > run.ceiling_w)) if len(p1) else None,
+        "max_overshoot_w": float(max(0.0, (p1 - run.ceiling_w).max())) if len(p1) else None,
+        "power_std_w": float(np.std(p1)) if len(p1) else None,
+        "power_std_high_w": float(np.std(p1[high])) if high.any() else None,
+        "power_mean_w": float(np.mean(p1)) if len(p1) else None,
+        "power_max_w": float(np.max(p1)) if len(p1) else None,
+        "energy_j": energy_j,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / end_s if end_s > 0 else 0.0,
+        "j_per_token": energy_j / tokens if tokens else None,
+        "goodput_rps": len(good) / end_s if end_s > 0 else 0.0,
+        "requests": len(run.results),
+        "ok": len(ok),
+        "http_429": statuses.count(429),
+        "http_503": statuses.count(503),
+        "other_errors": len(run.results) - len(ok) - statuses.count(429) - statuses.count(503),
+        "latency": latency,
+    }
+
+
+def plot_runs(runs: list[RunData], path: Path, title: str) -> Path:
+    """Power against the ceiling per run, and the batch limit where a proxy was in front."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    has_hist = any(r.history for r in runs)
+    fig, axes = plt.subplots(
+        2 if has_hist else 1, 1, figsize=(11, 7 if has_hist else 4), sharex=True, squeeze=False
+    )
+    ax = axes[0][0]
+    for run in runs:
+        t, p = power_1s(run.trace, run.t0_s, run.t0_s + run.load_s)
+        ax.plot(t, p, label=f"{run.arm}: 1-s power", lw=1.4)
+    ceiling = runs[0].ceiling_w
+    ax.axhline(ceiling, color="red", ls="--", lw=1.2, label=f"ceiling {ceiling:.0f} W")
+    prof = runs[0].profile
+    rates = [ph.rate_rps for ph in prof.phases]
+    t_grid = np.arange(0, runs[0].load_s, 0.5)
+    hi = np.array([rates[prof.phase_at(t)] == max(rates) for t in t_grid])
+    ax.fill_between(
+        t_grid,
+        0,
+        1,
+        where=hi,
+        transform=ax.get_xaxis_transform(),
+        color="orange",
+        alpha=0.12,
+        label="burst phase",
+    )
+    ax.set_ylabel("W")
+    ax.set_title(title)
+    ax.legend(loc="lower right", fontsize=8)
+    if has_hist:
+        ax2 = axes[1][0]
+        for run in runs:
+            h = run.history
+            if not h or not h["t_s"]:
+                continue
+            t = np.asarray(h["t_s"]) - run.t0_s
+            ax2.step(t, h["limit_requests"], where="post", label=f"{run.arm}: batch limit")
+            ax2.plot(t, h["in_flight"], lw=0.8, label=f"{run.arm}: in flight")
+            ax2.plot(t, h["queued"], lw=0.8, ls=":", label=f"{run.arm}: queued")
+        ax2.set_ylabel("requests")
+        ax2.set_xlabel("seconds since load start")
+        ax2.legend(loc="upper right", fontsize=8)
+        ax2.set_xlim(0, runs[0].load_s)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,242 @@
+"""The vLLM plugin's pure parts: settings, version check, limit mapping, the control thread's tick.
+
+None of this imports vLLM, so it runs in the normal suite; the real engine is tested under
+`-m vllm` (tests/vllm). The plugin is its own distribution: found here from the source tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+try:
+    import powerbatch_vllm  # noqa: F401
+except ImportError:  # not installed: use the source tree
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "vllm"))
+
+from powerbatch_vllm.compat import UnsupportedVllmVersion, check_vllm_version, parse_version
+from powerbatch_vllm.config import PluginConfig, load_config, reference_markdown
+from powerbatch_vllm.control import ControlThread
+from powerbatch_vllm.engine import EngineCaps, EngineLimits, StepStats, engine_limits
+from powerbatch_vllm.metrics import dcgm_text
+from powerbatch_vllm.plugin import _in_use
+
+from powerbatch.control import Limits
+from powerbatch.errors import ConfigError, SensorReadError
+from powerbatch.telemetry import PowerSample
+
+CAPS = EngineCaps(
+    max_active_reqs=64, max_step_tokens=2048, num_kv_blocks=511, block_size=16, chunked_prefill=True
+)
+
+
+# -- settings and versions ------------------------------------------------------------------
+
+
+def test_config_from_env_and_file(tmp_path: Path) -> None:
+    f = tmp_path / "pb.toml"
+    f.write_text('[powerbatch_vllm]\nceiling_w = 500\npower_source = "model"\ntick_hz = 10\n')
+    cfg = load_config({"POWERBATCH_VLLM_CONFIG": str(f), "POWERBATCH_VLLM_TICK_HZ": "4"})
+    assert cfg.ceiling_w == 500 and cfg.power_source == "model"
+    assert cfg.tick_hz == 4  # the environment wins over the file
+    assert (
+        load_config({"POWERBATCH_VLLM_CEILING_W": "1", "POWERBATCH_VLLM_KV_CAP": "off"}).kv_cap
+        is False
+    )
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},  # the ceiling is required
+        {"POWERBATCH_VLLM_CEILING_W": "x"},
+        {"POWERBATCH_VLLM_CEILING_W": "500", "POWERBATCH_VLLM_POWER_SOURCE": "dcgm"},  # no URL
+        {"POWERBATCH_VLLM_CEILING_W": "500", "POWERBATCH_VLLM_MODE": "shadow"},
+        {"POWERBATCH_VLLM_CEILING_W": "500", "POWERBATCH_VLLM_CEILING": "1"},  # a typo
+        {"POWERBATCH_VLLM_CEILING_W": "-5"},
+    ],
+)
+def test_bad_config_fails_at_start(env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError):
+        load_config(env)
+
+
+def test_control_config_never_exceeds_vllm() -> None:
+    cfg = PluginConfig(ceiling_w=500, max_batch=512, initial_batch=16)
+    cc = cfg.control_config(engine_max_batch=8, max_kv_tokens=1000)
+    assert cc.max_batch == 8 and cc.initial_batch == 8 and cc.max_kv_tokens == 1000
+
+
+def test_reference_lists_every_setting() -> None:
+    table = reference_markdown()
+    assert "POWERBATCH_VLLM_CEILING_W" in table and "POWERBATCH_VLLM_TRACE_PATH" in table
+
+
+def test_version_check() -> None:
+    assert parse_version("0.32.0+cpu") == (0, 32, 0)
+    check_vllm_version("0.32.0+cpu", allow_unsupported=False)
+    check_vllm_version("0.32.5", allow_unsupported=False)
+    for bad in ("0.31.9", "0.33.0", "1.0.0"):
+        with pytest.raises(UnsupportedVllmVersion, match="supports vLLM"):
+            check_vllm_version(bad, allow_unsupported=False)
+    check_vllm_version("0.33.0", allow_unsupported=True)
+
+
+def test_plugin_registers_only_when_used() -> None:
+    assert not _in_use(["vllm", "serve", "m"], {})
+    assert _in_use(["vllm", "serve", "--scheduler-cls", "powerbatch_vllm.scheduler.X"], {})
+    assert _in_use([], {"POWERBATCH_VLLM_CEILING_W": "1"})
+
+
+# -- limits in the engine's units -----------------------------------------------------------
+
+
+def test_engine_limits_are_clamped_to_vllm() -> None:
+    lim = engine_limits(Limits(500, 10**9, 4000.0), CAPS, step_s=0.02)
+    assert lim.max_active_reqs == 64 and lim.max_kv_blocks == 511
+    assert lim.prefill_tokens_per_step == 80  # 4000 tok/s x 20 ms
+    assert lim.step_tokens(CAPS, running=10) == 10 + 80
+    assert lim.step_tokens(CAPS, running=64) <= CAPS.max_step_tokens
+    small = engine_limits(Limits(4, 100, 10.0), CAPS, step_s=0.02, min_step_tokens=32)
+    assert small.max_active_reqs == 4 and small.max_kv_blocks == 7  # ceil(100 / 16)
+    assert small.step_tokens(CAPS, running=4) == 4 + 32  # decodes always fit, plus the floor
+
+
+def test_prefill_unpaced_without_step_time_or_chunking() -> None:
+    assert engine_limits(Limits(8, 100, 4000.0), CAPS, step_s=None).prefill_tokens_per_step is None
+    no_chunk = EngineCaps(64, 2048, 511, 16, chunked_prefill=False)
+    lim = engine_limits(Limits(8, 100, 4000.0), no_chunk, step_s=0.02)
+    assert lim.step_tokens(no_chunk, running=8) == 2048
+    assert EngineLimits.unlimited(CAPS).step_tokens(CAPS, 64) == 2048
+
+
+def test_step_stats_windows() -> None:
+    s = StepStats()
+    for i in range(4):
+        s.record(
+            running=8,
+            waiting=2,
+            decode_reqs=6,
+            decode_tokens=6,
+            prefill_tokens=40,
+            kv_blocks_used=20 + i,
+            t_s=i * 0.01,
+        )
+    batch, prefill, kv = s.take_window()
+    assert (batch, prefill, kv) == (6.0, 40.0, 21.5)
+    assert s.step_s == pytest.approx(0.01)
+    assert s.take_window() == (0.0, 0.0, 23.0)  # idle window: no work, KV as it stands
+    assert s.snapshot()["prefill_tokens_total"] == 160
+
+
+# -- the control thread's tick, driven by hand ----------------------------------------------
+
+
+class Watts:
+    name = "scripted"
+
+    def __init__(self, w: float | None) -> None:
+        self.w = w
+
+    async def read(self) -> PowerSample:
+        if self.w is None:
+            raise SensorReadError("scripted failure")
+        return PowerSample(time.monotonic(), self.w)
+
+    async def close(self) -> None:
+        return None
+
+
+def _thread(mode: str, watts: Watts) -> ControlThread:
+    cfg = PluginConfig(ceiling_w=500, mode=mode, warmup_s=0.0, metrics_port=0, initial_batch=32)
+    stats = StepStats()
+    return ControlThread(cfg, CAPS, stats, source=watts)
+
+
+def _drive(ct: ControlThread, ticks: int, running: int) -> None:
+    t = time.monotonic()
+    for i in range(ticks):
+        ct.stats.record(
+            running=running,
+            waiting=40,
+            decode_reqs=running,
+            decode_tokens=running,
+            prefill_tokens=64,
+            kv_blocks_used=100,
+            t_s=t + i * 0.2,
+        )
+        asyncio.run(ct.monitor.poll_once())
+        ct.tick(t + i * 0.2)
+
+
+def test_over_the_ceiling_shrinks_the_engine_limits() -> None:
+    ct = _thread("enforce", Watts(650.0))
+    _drive(ct, 5, running=32)
+    assert ct.last is not None and ct.last.binding == "power"
+    assert ct.limits.max_active_reqs < 32
+    assert ct.limits.prefill_tokens_per_step is not None  # paced once a step time is known
+    status = ct.status()
+    assert status["limits"]["engine"]["max_active_reqs"] == ct.limits.max_active_reqs
+    assert status["limits"]["configured"]["max_active_reqs"] == 64
+
+
+def test_observe_mode_leaves_vllm_alone() -> None:
+    ct = _thread("observe", Watts(650.0))
+    _drive(ct, 5, running=32)
+    assert ct.limits == EngineLimits.unlimited(CAPS)
+    assert ct.last is not None and ct.last.proposed.max_requests < 32
+
+
+def test_sensor_loss_holds_the_safe_batch() -> None:
+    ct = _thread("enforce", Watts(300.0))
+    _drive(ct, 3, running=16)
+    ct.source.w = None  # the sensor fails
+    asyncio.run(ct.monitor.poll_once())
+    ct.tick(time.monotonic() + 1)
+    assert ct.last is not None and ct.last.state == "fail_closed"
+    assert ct.limits.max_active_reqs <= ct.control.safe_batch
+
+
+def test_status_endpoint_serves_metrics_and_modelled_power() -> None:
+    cfg = PluginConfig(
+        ceiling_w=500, power_source="model", metrics_port=1, warmup_s=0.0
+    )  # port replaced below
+    stats = StepStats()
+    ct = ControlThread(cfg, CAPS, stats)
+    from powerbatch_vllm.metrics import StatusServer
+
+    server = StatusServer(
+        "127.0.0.1", 0, ct.metrics, ct._extra_text, ct.status, lambda: list(ct.history)
+    )
+    server.start()
+    try:
+        stats.record(
+            running=8,
+            waiting=0,
+            decode_reqs=8,
+            decode_tokens=8,
+            prefill_tokens=0,
+            kv_blocks_used=10,
+        )
+        asyncio.run(ct.monitor.poll_once())
+        ct.tick(time.monotonic())
+        host, port = server.address
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        assert 'powerbatch_engine_limit{knob="active_requests"}' in text
+        assert "DCGM_FI_DEV_POWER_USAGE{" in text
+        with urllib.request.urlopen(f"http://{host}:{port}/status", timeout=5) as r:
+            assert json.loads(r.read())["power"]["source"] == "model"
+    finally:
+        server.stop()
+
+
+def test_dcgm_text_is_empty_without_a_reading() -> None:
+    assert dcgm_text(None, "0", "m") == ""
+    assert 'gpu="0"' in dcgm_text(512.0, "0", "m")

