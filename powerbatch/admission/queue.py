@@ -76,7 +76,7 @@ class AdmissionQueue:
         max_wait_s: Mapping[str, float] | None = None,
         valley_fill: bool = False,
         fill_reserve_frac: float = 0.1,
-        prefill_burst_s: float = 0.25,
+        prefill_burst_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.limits = limits
@@ -97,7 +97,9 @@ class AdmissionQueue:
         self._bucket = 0.0
         self._bucket_t = clock()
         self._wakeup: asyncio.TimerHandle | None = None
-        self._grant_rate = 1.0  # requests/s, EWMA: for a truthful Retry-After
+        # EWMA of the time between grants, for a truthful Retry-After. The interval, not its
+        # inverse, is averaged: a mean of 1/dt is dominated by grants that land together.
+        self._grant_interval_s = 1.0
         self._last_grant_t = clock()
         self._idle: asyncio.Event | None = None
 
@@ -145,7 +147,15 @@ class AdmissionQueue:
     def retry_after_s(self, priority: str) -> int:
         """Seconds until a request of this class could expect a slot, from the recent grant rate."""
         ahead = sum(self._live[p] for p in PRIORITIES[: rank(priority) + 1])
-        return int(min(60, max(1, math.ceil((ahead + 1) / max(self._grant_rate, 0.01)))))
+        interval_s = self._grant_interval_s
+        if self.queued:  # nothing granted for a while (a stalled upstream): the silence counts
+            interval_s = max(interval_s, self._clock() - self._last_grant_t)
+        return int(min(60, max(1, math.ceil((ahead + 1) * interval_s))))
+
+    @property
+    def backlog(self) -> int:
+        """Waiter records held, live or not: bounded by 2 x max_queue_len plus a constant."""
+        return sum(len(q) for q in self._queues.values())
 
     async def wait_idle(self) -> None:
         """Return once nothing is in flight (used to drain on shutdown)."""
@@ -196,19 +206,31 @@ class AdmissionQueue:
             return False
         if lim.prefill_tok_s is not None:
             self._refill(now)
-            if self._bucket <= 0 and self.in_flight:
+            # A prompt waits until the bucket holds it (or is full, for one larger than a
+            # whole burst): borrowing ahead would let one long prompt spike the second.
+            need = min(prefill_tokens, lim.prefill_tok_s * self.prefill_burst_s)
+            if self._bucket < need and self.in_flight:
                 return False
         return True
 
-    def _grant(self, priority: str, kv_tokens: int, prefill_tokens: int, now: float) -> Slot:
+    def _grant(
+        self,
+        priority: str,
+        kv_tokens: int,
+        prefill_tokens: int,
+        now: float,
+        waited_since_s: float | None = None,
+    ) -> Slot:
         self.in_flight += 1
         self.kv_in_flight += kv_tokens
         if self.limits.prefill_tok_s is not None:
             self._bucket -= prefill_tokens  # may go negative: a long prompt borrows ahead
         self.stats.admitted_total[priority] += 1
         self.stats.prefill_tokens_admitted_total += prefill_tokens
-        dt = max(now - self._last_grant_t, 1e-3)
-        self._grant_rate = 0.9 * self._grant_rate + 0.1 * min(1.0 / dt, 10_000.0)
+        if waited_since_s is not None:
+            # Only grants to waiters measure the service rate; an immediate grant measures demand.
+            dt = min(max(now - max(self._last_grant_t, waited_since_s), 0.0), 60.0)
+            self._grant_interval_s = 0.9 * self._grant_interval_s + 0.1 * dt
         self._last_grant_t = now
         return Slot(self, priority, kv_tokens, now)
 
@@ -223,8 +245,10 @@ class AdmissionQueue:
     def _head(self) -> _Waiter | None:
         for p in PRIORITIES:
             q = self._queues[p]
-            while q and q[0].gone:
-                q.popleft()
+            # A waiter whose task was cancelled may not have run its cleanup yet: skip it,
+            # or its slot would be granted to no one and never released.
+            while q and (q[0].gone or q[0].future.done()):
+                self._forget(q.popleft())
             if q:
                 return q[0]
         return None
@@ -239,13 +263,18 @@ class AdmissionQueue:
             w.gone = True
             self._live[w.priority] -= 1
             self.stats.queue_wait_s_total += now - w.t_enqueued_s
-            w.future.set_result(self._grant(w.priority, w.kv_tokens, w.prefill_tokens, now))
+            slot = self._grant(w.priority, w.kv_tokens, w.prefill_tokens, now, w.t_enqueued_s)
+            w.future.set_result(slot)
 
     def _schedule_refill_wakeup(self) -> None:
         rate = self.limits.prefill_tok_s
-        if rate is None or self._bucket > 0 or self._wakeup is not None:
+        if rate is None or self._wakeup is not None:
             return
-        delay = max(-self._bucket / rate, 0.001)
+        head = self._head()
+        want = min(head.prefill_tokens, rate * self.prefill_burst_s) if head else 0.0
+        if self._bucket >= want:
+            return
+        delay = max((want - self._bucket) / rate, 0.001)
         self._wakeup = asyncio.get_running_loop().call_later(delay, self._on_wakeup)
 
     def _on_wakeup(self) -> None:
@@ -256,6 +285,17 @@ class AdmissionQueue:
         if not w.gone:
             w.gone = True
             self._live[w.priority] -= 1
+            self._compact(w.priority)
+
+    def _compact(self, priority: str) -> None:
+        """Drop records of waiters that left from mid-queue, so overload cannot grow memory.
+
+        Shed, expired and cancelled waiters are only marked gone; without this, a class that is
+        never dispatched (low, under sustained overload) would keep every one of them.
+        """
+        q = self._queues[priority]
+        if len(q) > 2 * self._live[priority] + 32:
+            self._queues[priority] = deque(w for w in q if not w.gone)
 
     def _expire(self, w: _Waiter) -> None:
         if w.gone or w.future.done():

@@ -25,7 +25,7 @@ from powerbatch.cli.stack import Stack
 from powerbatch.load import PROFILES, LoadProfile, run_load
 
 ARMS = ("none", "hwcap", "static", "dynamic")
-DEFAULT_CEILING_W = 560.0
+DEFAULT_CEILING_W = 600.0
 
 
 def add_common(p: argparse.ArgumentParser, duration_s: float) -> None:
@@ -43,6 +43,12 @@ def add_common(p: argparse.ArgumentParser, duration_s: float) -> None:
     p.add_argument("--ttft-slo-s", type=float, default=2.0)
     p.add_argument("--tpot-slo-s", type=float, default=0.1)
     p.add_argument("--valley-fill", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument(
+        "--prefill-pacing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="override the proxy's prefill pacing default",
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -50,7 +56,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_common(p, 60.0)
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--static-batch", type=int, default=32, help="batch limit of the static arm")
+    p.add_argument(
+        "--static-batch",
+        default="auto",
+        help="batch limit of the static arm, or 'auto': the largest that holds the "
+        "ceiling, found by bisection as a careful operator would tune it",
+    )
+    p.add_argument(
+        "--search-duration-s",
+        type=float,
+        default=30.0,
+        help="length of each bisection run for --static-batch auto",
+    )
     p.add_argument("--out", type=Path, default=Path("results/bench"))
     p.set_defaults(func=main)
 
@@ -74,6 +91,8 @@ def proxy_args(a: argparse.Namespace) -> list[str]:
     ]
     if a.valley_fill:
         args.append("--valley-fill")
+    if a.prefill_pacing is not None:
+        args.append("--prefill-pacing" if a.prefill_pacing else "--no-prefill-pacing")
     return args
 
 
@@ -179,6 +198,28 @@ def table(results: dict[str, dict[str, Any]], console: Console, title: str) -> N
     console.print(t)
 
 
+async def search_static_batch(
+    a: argparse.Namespace, profile: LoadProfile, console: Console, lo: int = 1, hi: int = 128
+) -> int:
+    """The largest max-num-seqs whose time above the ceiling is at most 0.5%, by bisection."""
+    args = argparse.Namespace(**{**vars(a), "duration_s": a.search_duration_s})
+    best = lo
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        run = await run_arm("static", args, profile, a.out / "logs" / "search", static_batch=mid)
+        above = summarize(run, a.ttft_slo_s, a.tpot_slo_s)["frac_above_ceiling"] or 0.0
+        ok = above <= 0.005
+        console.print(
+            f"    static search: max-num-seqs {mid:3d} -> {100 * above:.1f}% above "
+            f"the ceiling ({'holds' if ok else 'breaks'})"
+        )
+        if ok:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
 async def _bench(a: argparse.Namespace) -> int:
     console = Console()
     arms = [x.strip() for x in a.arms.split(",") if x.strip()]
@@ -190,6 +231,14 @@ async def _bench(a: argparse.Namespace) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     per_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     first_runs: list[RunData] = []
+    static_batch = 32
+    if "static" in arms:
+        if a.static_batch == "auto":
+            console.print("searching the best static batch limit that holds the ceiling…")
+            static_batch = await search_static_batch(a, profile, console)
+        else:
+            static_batch = int(a.static_batch)
+        console.print(f"static arm: max-num-seqs {static_batch}")
     total = len(arms) * a.repeats
     done = 0
     for rep in range(a.repeats):
@@ -200,7 +249,7 @@ async def _bench(a: argparse.Namespace) -> int:
                 f"{a.duration_s:.0f} s of {profile.name} load at seed {a.seed + rep}"
             )
             args = argparse.Namespace(**{**vars(a), "seed": a.seed + rep})
-            run = await run_arm(arm, args, profile, a.out / "logs", static_batch=a.static_batch)
+            run = await run_arm(arm, args, profile, a.out / "logs", static_batch=static_batch)
             s = summarize(run, a.ttft_slo_s, a.tpot_slo_s)
             per_arm[arm].append(s)
             console.print(

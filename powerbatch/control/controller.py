@@ -29,6 +29,7 @@ import numpy as np
 from powerbatch.control.config import ControlConfig
 from powerbatch.control.latency import LatencySnapshot
 from powerbatch.estimate import Features, PowerModel, PowerPrior
+from powerbatch.estimate.features import design_ray
 
 CONSTRAINTS: tuple[str, ...] = ("power", "latency", "kv")
 BINDINGS: tuple[str, ...] = (
@@ -105,7 +106,7 @@ class Controller:
         )
         self._demand: deque[tuple[float, int]] = deque()
         self._cut_until_s = -math.inf
-        self._grid = np.arange(config.min_batch, config.max_batch + 1)
+        self._grid = np.arange(config.min_batch, config.max_batch + 1, dtype=float)
         self.last: Decision | None = None
 
     @property
@@ -266,7 +267,7 @@ class Controller:
             self._update_kv(obs.kv_cache_usage)
         target_w = goal_w - self._lambda["power"]
 
-        pred = self.model.predict([self._shape.scaled(float(n)) for n in self._grid])
+        pred = self.model.predict_design(design_ray(self._shape, self._grid))
         current = self._batch
         step = max(1, math.ceil(current * cfg.step_up_frac))
         ttft = obs.latency.ttft_p95_s if obs.latency else None

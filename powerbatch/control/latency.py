@@ -18,6 +18,26 @@ class LatencySnapshot:
     samples: int
 
 
+class _Series:
+    """Times and values in two deques, so a percentile is one C-speed conversion."""
+
+    __slots__ = ("t", "v")
+
+    def __init__(self, maxlen: int) -> None:
+        self.t: deque[float] = deque(maxlen=maxlen)
+        self.v: deque[float] = deque(maxlen=maxlen)
+
+    def append(self, t_s: float, value: float) -> None:
+        self.t.append(t_s)
+        self.v.append(value)
+
+    def values_since(self, since_s: float) -> list[float]:
+        while self.t and self.t[0] < since_s:
+            self.t.popleft()
+            self.v.popleft()
+        return list(self.v)
+
+
 class LatencyWindow:
     """Records per-request latencies and answers p95 over the last `window_s` seconds.
 
@@ -27,39 +47,38 @@ class LatencyWindow:
     def __init__(self, window_s: float = 30.0, min_samples: int = 5, maxlen: int = 50_000) -> None:
         self.window_s = window_s
         self.min_samples = min_samples
-        self._ttft: dict[str, deque[tuple[float, float]]] = {}
-        self._tpot: deque[tuple[float, float]] = deque(maxlen=maxlen)
+        self._ttft: dict[str, _Series] = {}
+        self._tpot = _Series(maxlen)
         self._maxlen = maxlen
 
     def record(
         self, now_s: float, priority: str, ttft_s: float | None, tpot_s: float | None
     ) -> None:
         if ttft_s is not None:
-            q = self._ttft.get(priority)
-            if q is None:
-                q = self._ttft[priority] = deque(maxlen=self._maxlen)
-            q.append((now_s, ttft_s))
+            series = self._ttft.get(priority)
+            if series is None:
+                series = self._ttft[priority] = _Series(self._maxlen)
+            series.append(now_s, ttft_s)
         if tpot_s is not None:
-            self._tpot.append((now_s, tpot_s))
+            self._tpot.append(now_s, tpot_s)
 
-    def _p95(self, q: deque[tuple[float, float]], since_s: float) -> float | None:
-        while q and q[0][0] < since_s:
-            q.popleft()
-        if len(q) < self.min_samples:
+    def _p95(self, values: list[float]) -> float | None:
+        if len(values) < self.min_samples:
             return None
-        return float(np.percentile(np.fromiter((v for _, v in q), float, len(q)), 95))
+        return float(np.percentile(values, 95))
 
     def snapshot(self, now_s: float, interactive: tuple[str, ...] | None = None) -> LatencySnapshot:
         """p95s now; the overall TTFT p95 counts only the `interactive` classes when given."""
         since = now_s - self.window_s
-        by_class = {name: self._p95(q, since) for name, q in self._ttft.items()}
+        values = {name: s.values_since(since) for name, s in self._ttft.items()}
         chosen = [
             v
-            for name, q in self._ttft.items()
+            for name, vs in values.items()
             if interactive is None or name in interactive
-            for t, v in q
-            if t >= since
+            for v in vs
         ]
-        ttft = float(np.percentile(chosen, 95)) if len(chosen) >= self.min_samples else None
-        samples = sum(len(q) for q in self._ttft.values())
-        return LatencySnapshot(ttft, self._p95(self._tpot, since), by_class, samples)
+        by_class = {name: self._p95(vs) for name, vs in values.items()}
+        samples = sum(len(vs) for vs in values.values())
+        return LatencySnapshot(
+            self._p95(chosen), self._p95(self._tpot.values_since(since)), by_class, samples
+        )

@@ -69,3 +69,18 @@ def design_matrix(points: list[Features]) -> NDArray[np.float64]:
     if not points:
         return np.empty((0, len(REGRESSORS)))
     return np.vstack([design_row(f) for f in points])
+
+
+def design_ray(shape: Features, batches: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Rows for `shape.scaled(n)` at every n in `batches`, built in one vectorised step."""
+    n = np.asarray(batches, float)
+    return np.column_stack(
+        [
+            np.ones_like(n),
+            n / _BATCH_SCALE,
+            np.log2(1.0 + np.maximum(n, 0.0)),
+            shape.kv_tokens * n / _KV_SCALE,
+            shape.prefill_tok_s * n / _PREFILL_SCALE,
+            shape.decode_tok_s * n / _DECODE_SCALE,
+        ]
+    )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,9 +95,13 @@ class PowerModel:
         self.prior = prior
         self.half_life_s = half_life_s
         self.confidence = confidence
-        self._t: deque[float] = deque(maxlen=window)
-        self._x: deque[NDArray[np.float64]] = deque(maxlen=window)
-        self._y: deque[float] = deque(maxlen=window)
+        # Ring buffers: a fit reads them whole, in any order (weights carry recency).
+        self._t = np.zeros(window)
+        self._x = np.zeros((window, len(REGRESSORS)))
+        self._y = np.zeros(window)
+        self._n = 0
+        self._next = 0
+        self._t_last = 0.0
         # The prior enters twice: a few points that give a level before any data (weak: levels
         # differ by hundreds of watts between plants), and ridge rows that pull each slope
         # towards the prior's slope (stronger: it settles directions the data has not
@@ -117,28 +120,30 @@ class PowerModel:
         self._result: sm.regression.linear_model.RegressionResults | None = None
         self._noise_var = 0.0
         self._noise_df = 1.0
+        self._quantile = 1.0
         self._dirty = True
 
     @property
     def n_samples(self) -> int:
-        return len(self._y)
+        return self._n
 
     def observe(self, t_s: float, features: Features, power_w: float) -> None:
         if not math.isfinite(power_w):
             return
-        self._t.append(t_s)
-        self._x.append(design_row(features))
-        self._y.append(power_w)
+        i = self._next
+        self._t[i], self._x[i], self._y[i] = t_s, design_row(features), power_w
+        self._next = (i + 1) % len(self._y)
+        self._n = min(self._n + 1, len(self._y))
+        self._t_last = t_s
         self._dirty = True
 
     def _fit(self) -> sm.regression.linear_model.RegressionResults:
         if self._result is not None and not self._dirty:
             return self._result
-        if self._y:
-            t = np.fromiter(self._t, float, len(self._t))
-            w = np.exp2(-(t[-1] - t) / self.half_life_s)
-            xs = np.vstack(self._x)
-            ys = np.fromiter(self._y, float, len(self._y))
+        n = self._n
+        if n:
+            w = np.exp2(-(self._t_last - self._t[:n]) / self.half_life_s)
+            xs, ys = self._x[:n], self._y[:n]
             x = np.vstack([self._prior_x, xs])
             y = np.concatenate([self._prior_y, ys])
             weights = np.concatenate([self._prior_w, w])
@@ -149,11 +154,10 @@ class PowerModel:
             warnings.simplefilter("ignore", SingularMatrixWarning)
             self._result = result = sm.WLS(y, x, weights=weights).fit()
         self._noise_var, self._noise_df = float(result.scale), float(result.df_resid)
-        if self._y:
+        if n:
             # The noise of a fresh reading comes from real readings only: the prior's misfit is
-            # not sensor noise and would widen every bound. Weights here mean recency, so the
-            # variance is their weighted mean square, corrected by the effective sample count.
-            # A robust scale (weighted MAD): a start-up ramp or a load step leaves a few huge
+            # not sensor noise and would widen every bound. The scale is robust (a weighted
+            # MAD, weights meaning recency): a start-up ramp or a load step leaves a few huge
             # residuals that say nothing about the steady noise the bound is for.
             resid = np.abs(ys - np.asarray(result.predict(xs)))
             n_eff = w.sum() ** 2 / (w**2).sum()
@@ -168,19 +172,22 @@ class PowerModel:
                 k, prior_var = self.prior.noise_samples, self.prior.noise_w**2
                 var = (df * var + k * prior_var) / (df + k)
                 self._noise_var, self._noise_df = max(var, 1e-6), df + k
+        self._quantile = float(stats.t.ppf(self.confidence, self._noise_df))
         self._dirty = False
         return result
 
     def predict(self, points: Sequence[Features]) -> Prediction:
         """Mean and one-sided upper bound (at `confidence`) for a fresh reading at each point."""
+        return self.predict_design(design_matrix(list(points)))
+
+    def predict_design(self, x: NDArray[np.float64]) -> Prediction:
+        """`predict` for rows already in design form (see features.design_matrix)."""
         result = self._fit()
-        x = design_matrix(list(points))
         pred = result.get_prediction(x, weights=np.ones(len(x)))
         mean = np.asarray(pred.predicted_mean)
         # statsmodels' parameter uncertainty, rescaled to the noise of real readings.
         se_mean = np.asarray(pred.se_mean) * math.sqrt(self._noise_var / max(result.scale, 1e-12))
-        quantile = float(stats.t.ppf(self.confidence, self._noise_df))
-        upper = mean + quantile * np.sqrt(se_mean**2 + self._noise_var)
+        upper = mean + self._quantile * np.sqrt(se_mean**2 + self._noise_var)
         return Prediction(mean_w=mean, upper_w=upper)
 
     def predict_one(self, point: Features) -> tuple[float, float]:
@@ -195,7 +202,7 @@ class PowerModel:
     def noise_quantile_w(self) -> float:
         """How far above its mean a fresh reading may land, at `confidence` (one-sided)."""
         self._fit()
-        return float(stats.t.ppf(self.confidence, self._noise_df)) * math.sqrt(self._noise_var)
+        return self._quantile * math.sqrt(self._noise_var)
 
     def residual_std_w(self) -> float:
         self._fit()

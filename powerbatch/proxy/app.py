@@ -12,15 +12,16 @@ import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from powerbatch.admission import Rejected, parse_priority
-from powerbatch.proxy.errors import error_response, sse_error_event
+from powerbatch.admission import DEFAULT_PRIORITY, Rejected, parse_priority
+from powerbatch.proxy.auth import ApiKeys, auth_middleware
+from powerbatch.proxy.errors import error_body, error_response, sse_error_event
 from powerbatch.proxy.governor import Governor
 from powerbatch.proxy.parse import BadRequest, RequestInfo, parse_request
 
@@ -46,6 +47,12 @@ SETTINGS: web.AppKey[ProxySettings] = web.AppKey("settings", object)  # type: ig
 SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("session", aiohttp.ClientSession)
 
 
+ADMIN_PATHS = ("/metrics", "/status", "/status/history")
+# An SSE event ends at a blank line; the relay forwards whole events only (see _relay_stream).
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+_MAX_PARTIAL_EVENT = 64 * 1024
+
+
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
     upstream_url: str
@@ -54,11 +61,34 @@ class ProxySettings:
     max_tokens_limit: int = 131_072
     connect_timeout_s: float = 5.0
     headers_timeout_s: float = 600.0  # a non-streamed answer sends headers only when done
-    read_timeout_s: float = 120.0  # longest silence inside a stream
+    read_timeout_s: float = 120.0  # longest upstream silence once the answer has begun
+    client_timeout_s: float = 60.0  # longest a client may take to send its body or take a chunk
+    api_keys: ApiKeys | None = field(default=None, repr=False)  # None: no client auth
+    upstream_api_key: str | None = field(default=None, repr=False)  # replaces the client's
+    admin_on_main: bool = True  # False: /metrics and /status live on the admin app only
+
+
+class _UpstreamFailed(Exception):
+    """The upstream broke off or went silent while answering."""
 
 
 def _forward_headers(headers: Any) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
+
+
+def _event_end(buf: bytes) -> int:
+    """Length of the prefix of `buf` that ends with a complete SSE event (0: none yet)."""
+    ends = [buf.rfind(sep) + len(sep) for sep in _EVENT_ENDS if sep in buf]
+    return max(ends, default=0)
+
+
+def _plain_error(status: int, message: str, code: str, type_: str) -> web.Response:
+    """An OpenAI-shaped error for statuses errors.py has no type for; closes the connection."""
+    body = error_body(status, message, code=code)
+    body["error"]["type"] = type_
+    resp = web.json_response(body, status=status)
+    resp.force_close()  # the rest of the request may never come: don't wait for it
+    return resp
 
 
 def _usage_completion_tokens(tail: bytes) -> int | None:
@@ -74,12 +104,39 @@ def _usage_completion_tokens(tail: bytes) -> int | None:
     return None
 
 
+def _is_json_error(body: bytes) -> bool:
+    try:
+        return isinstance(json.loads(body), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
 class ProxyHandlers:
     def __init__(self, gov: Governor, settings: ProxySettings) -> None:
         self.gov = gov
         self.settings = settings
         self.upstream = settings.upstream_url.rstrip("/")
         self.session: aiohttp.ClientSession | None = None
+
+    def _url(self, request: web.Request) -> str:
+        """The upstream URL for a request: only ever the configured upstream, never the client's.
+
+        The path comes from the request's origin form; an absolute-URI target or a Host header
+        names nothing here (Host is not forwarded either), so the proxy is no open relay.
+        """
+        return self.upstream + request.rel_url.raw_path_qs
+
+    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
+        """The client's headers, less hop-by-hop ones, with the upstream's key put in if set.
+
+        With client keys on, the client's Authorization is the proxy's key: it is not passed on.
+        """
+        out = _forward_headers(request.headers)
+        if self.settings.upstream_api_key is not None or self.settings.api_keys is not None:
+            out = {k: v for k, v in out.items() if k.lower() != "authorization"}
+        if self.settings.upstream_api_key is not None:
+            out["Authorization"] = f"Bearer {self.settings.upstream_api_key}"
+        return out
 
     # -- admission-controlled routes ----------------------------------------------------------
 
@@ -89,20 +146,37 @@ class ProxyHandlers:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._completion(request, chat=False)
 
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        """The body, or the answer to give: 413 over the limit, 408 if it trickles in."""
+        try:
+            async with asyncio.timeout(self.settings.client_timeout_s):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            resp = error_response(
+                413, f"request body over {self.settings.max_body_bytes} bytes", code="too_large"
+            )
+            resp.force_close()
+            return resp
+        except TimeoutError:
+            return _plain_error(
+                408,
+                f"request body not received within {self.settings.client_timeout_s:g} s",
+                "client_timeout",
+                "invalid_request_error",
+            )
+
     async def _completion(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         t0 = time.monotonic()
         m = self.gov.metrics
         try:
             priority = parse_priority(request.headers.get("x-priority"))
         except ValueError as exc:
+            m.requests.labels(DEFAULT_PRIORITY, "bad_request").inc()
             return error_response(400, str(exc), param="x-priority", code="invalid_priority")
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
+        raw = await self._read_body(request)
+        if isinstance(raw, web.Response):
             m.requests.labels(priority, "bad_request").inc()
-            return error_response(
-                413, f"request body over {self.settings.max_body_bytes} bytes", code="too_large"
-            )
+            return raw
         try:
             info = parse_request(
                 raw,
@@ -113,6 +187,11 @@ class ProxyHandlers:
         except BadRequest as exc:
             m.requests.labels(priority, "bad_request").inc()
             return error_response(400, str(exc), param=exc.param, code="invalid_request")
+        except (ValueError, RecursionError) as exc:  # e.g. a 5000-digit number, nesting too deep
+            m.requests.labels(priority, "bad_request").inc()
+            return error_response(
+                400, f"request body is not acceptable JSON: {exc}", code="invalid_request"
+            )
         try:
             slot = await self.gov.queue.admit(priority, info.kv_tokens, info.prompt_tokens)
         except Rejected as rej:
@@ -133,40 +212,58 @@ class ProxyHandlers:
     ) -> web.StreamResponse:
         m = self.gov.metrics
         assert self.session is not None
-        url = self.upstream + request.rel_url.raw_path_qs
         try:
             async with asyncio.timeout(self.settings.headers_timeout_s):
                 up = await self.session.post(
-                    url, data=raw, headers=_forward_headers(request.headers)
+                    self._url(request), data=raw, headers=self._upstream_headers(request)
                 )
         except asyncio.CancelledError:
             m.requests.labels(priority, "cancelled").inc()
             raise
         except TimeoutError:
             m.requests.labels(priority, "upstream_error").inc()
-            return error_response(504, "upstream did not answer in time", code="upstream_timeout")
+            return error_response(
+                504,
+                f"upstream did not answer within {self.settings.headers_timeout_s:g} s",
+                code="upstream_timeout",
+            )
         except aiohttp.ClientConnectorError as exc:
             m.requests.labels(priority, "upstream_error").inc()
             return error_response(503, f"upstream unavailable: {exc}", code="upstream_unavailable")
         except aiohttp.ClientError as exc:
             m.requests.labels(priority, "upstream_error").inc()
-            return error_response(502, f"upstream error: {exc}", code="upstream_error")
+            return error_response(
+                502, f"upstream error: {exc or type(exc).__name__}", code="upstream_error"
+            )
         async with up:
             ctype = up.headers.get("Content-Type", "")
             if info.stream and up.status == 200 and ctype.startswith("text/event-stream"):
                 return await self._relay_stream(request, up, priority, t0)
             return await self._relay_body(up, priority, t0)
 
+    async def _read_upstream_body(self, up: aiohttp.ClientResponse) -> bytes:
+        """The whole body, failing if the upstream goes silent for read_timeout_s."""
+        parts: list[bytes] = []
+        chunks = up.content.iter_any().__aiter__()
+        while True:
+            try:
+                async with asyncio.timeout(self.settings.read_timeout_s):
+                    parts.append(await anext(chunks))
+            except StopAsyncIteration:
+                return b"".join(parts)
+
     async def _relay_body(
         self, up: aiohttp.ClientResponse, priority: str, t0: float
     ) -> web.StreamResponse:
         m = self.gov.metrics
         try:
-            body = await up.read()
+            body = await self._read_upstream_body(up)
         except (aiohttp.ClientError, TimeoutError) as exc:
             m.requests.labels(priority, "upstream_error").inc()
             return error_response(
-                502, f"upstream failed while answering: {exc}", code="upstream_error"
+                502,
+                f"upstream failed while answering: {exc or type(exc).__name__}",
+                code="upstream_error",
             )
         now = time.monotonic()
         if up.status == 200:
@@ -176,48 +273,92 @@ class ProxyHandlers:
             self._record(priority, t0, first_s=now, last_s=now, tokens=tokens, ok=True)
         else:
             m.requests.labels(priority, "upstream_error").inc()
+            if up.status >= 500 and not _is_json_error(body):
+                # A crashed server or a load balancer in between: say so in the OpenAI shape.
+                snippet = body[:200].decode("utf-8", "replace")
+                return error_response(
+                    502, f"upstream answered {up.status}: {snippet}", code="upstream_error"
+                )
         return web.Response(body=body, status=up.status, headers=_forward_headers(up.headers))
 
     async def _relay_stream(
         self, request: web.Request, up: aiohttp.ClientResponse, priority: str, t0: float
     ) -> web.StreamResponse:
+        """Relay SSE as it comes, whole events at a time, byte for byte.
+
+        A partial event is held until its end arrives, so when the upstream dies mid-event the
+        client gets a clean error event instead of half an event glued to it. Upstream silence
+        (read_timeout_s) and a client that stops reading (client_timeout_s) both end the stream
+        and free the slot.
+        """
+        m = self.gov.metrics
         resp = web.StreamResponse(status=up.status, headers=_forward_headers(up.headers))
-        await resp.prepare(request)
+        read_s, write_s = self.settings.read_timeout_s, self.settings.client_timeout_s
         first_s: float | None = None
         events = 0
         tail = b""
-        ok = False
+        pending = b""
+        chunks = up.content.iter_any().__aiter__()
         try:
-            async with asyncio.timeout(None) as idle:
-                loop = asyncio.get_running_loop()
-                async for chunk in up.content.iter_any():
-                    idle.reschedule(loop.time() + self.settings.read_timeout_s)
-                    if first_s is None:
-                        first_s = time.monotonic()
-                    n = chunk.count(b"data: ")
-                    events += n
-                    self.gov.output_tokens_total += n
-                    tail = (tail + chunk)[-4096:]
-                    await resp.write(chunk)
-            ok = True
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as exc:
-            log.warning("upstream stream failed: %s", exc)
-            self.gov.metrics.requests.labels(priority, "upstream_error").inc()
-            with contextlib.suppress(ConnectionError):
-                await resp.write(sse_error_event(502, f"upstream failed mid-stream: {exc}"))
-        except (ConnectionError, asyncio.CancelledError):
-            self.gov.metrics.requests.labels(priority, "cancelled").inc()
-            raise
-        if ok:
-            tokens = _usage_completion_tokens(tail)
-            if tokens is not None:
-                self.gov.output_tokens_total += tokens - events
-            else:
-                tokens = max(events - 2, 0)  # the role event and [DONE] carry no token
-            now = time.monotonic()
-            self._record(priority, t0, first_s=first_s or now, last_s=now, tokens=tokens, ok=True)
-            with contextlib.suppress(ConnectionError):
+            async with asyncio.timeout(write_s):
+                await resp.prepare(request)
+            while True:
+                try:
+                    async with asyncio.timeout(read_s):
+                        chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError as exc:
+                    raise _UpstreamFailed(f"no data for {read_s:g} s") from exc
+                except aiohttp.ClientError as exc:
+                    raise _UpstreamFailed(str(exc) or type(exc).__name__) from exc
+                if first_s is None:
+                    first_s = time.monotonic()
+                tail = (tail + chunk)[-4096:]
+                pending += chunk
+                cut = _event_end(pending)
+                if cut == 0 and len(pending) <= _MAX_PARTIAL_EVENT:
+                    continue
+                out, pending = (pending[:cut], pending[cut:]) if cut else (pending, b"")
+                n = out.count(b"data: ")
+                events += n
+                self.gov.output_tokens_total += n
+                async with asyncio.timeout(write_s):
+                    await resp.write(out)
+            async with asyncio.timeout(write_s):
+                if pending:
+                    await resp.write(pending)
+                tokens = _usage_completion_tokens(tail)
+                if tokens is not None:
+                    self.gov.output_tokens_total += tokens - events
+                else:
+                    tokens = max(events - 2, 0)  # the role event and [DONE] carry no token
+                now = time.monotonic()
+                self._record(
+                    priority, t0, first_s=first_s or now, last_s=now, tokens=tokens, ok=True
+                )
                 await resp.write_eof()
+        except _UpstreamFailed as exc:
+            log.warning("upstream stream failed: %s", exc)
+            m.requests.labels(priority, "upstream_error").inc()
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                async with asyncio.timeout(write_s):
+                    await resp.write(
+                        sse_error_event(
+                            502, f"upstream failed mid-stream: {exc}", code="upstream_error"
+                        )
+                    )
+                    await resp.write(b"data: [DONE]\n\n")
+                    await resp.write_eof()
+        except TimeoutError:
+            # The client stopped reading: drop it rather than hold its slot and buffers.
+            log.info("client stopped reading a stream for %g s; dropping it", write_s)
+            m.requests.labels(priority, "cancelled").inc()
+            if request.transport is not None:
+                request.transport.abort()
+        except (ConnectionError, asyncio.CancelledError):
+            m.requests.labels(priority, "cancelled").inc()
+            raise
         return resp
 
     def _record(
@@ -249,23 +390,39 @@ class ProxyHandlers:
     # -- pass-through and operator routes -----------------------------------------------------
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """Other /v1 routes (models, embeddings, ...): relayed whole, bounded by the timeouts."""
         assert self.session is not None
-        url = self.upstream + request.rel_url.raw_path_qs
+        raw = await self._read_body(request)
+        if isinstance(raw, web.Response):
+            return raw
         try:
-            raw = await request.read()
-            async with self.session.request(
-                request.method, url, data=raw or None, headers=_forward_headers(request.headers)
-            ) as up:
-                body = await up.read()
+            async with asyncio.timeout(self.settings.headers_timeout_s):
+                up = await self.session.request(
+                    request.method,
+                    self._url(request),
+                    data=raw or None,
+                    headers=self._upstream_headers(request),
+                )
+            async with up:
+                body = await self._read_upstream_body(up)
                 return web.Response(
                     body=body, status=up.status, headers=_forward_headers(up.headers)
                 )
-        except web.HTTPRequestEntityTooLarge:
-            return error_response(413, "request body too large", code="too_large")
         except aiohttp.ClientConnectorError as exc:
             return error_response(503, f"upstream unavailable: {exc}", code="upstream_unavailable")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return error_response(502, f"upstream error: {exc}", code="upstream_error")
+        except TimeoutError:
+            return error_response(504, "upstream did not answer in time", code="upstream_timeout")
+        except aiohttp.ClientError as exc:
+            return error_response(
+                502, f"upstream error: {exc or type(exc).__name__}", code="upstream_error"
+            )
+
+    async def method_not_allowed(self, request: web.Request) -> web.Response:
+        resp = error_response(
+            405, f"{request.method} is not allowed on {request.path}; use POST", code="bad_method"
+        )
+        resp.headers["Allow"] = "POST"
+        return resp
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.gov.metrics.registry)
@@ -322,25 +479,28 @@ class ProxyHandlers:
         return error_response(404, f"no route {request.method} {request.path}", code="not_found")
 
 
+def _client_session(settings: ProxySettings) -> aiohttp.ClientSession:
+    # No session-wide read timeout: aiohttp's sock_read also runs while waiting for headers, which
+    # would cut a long non-streamed answer at read_timeout_s. Each phase is bounded per request.
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s),
+        auto_decompress=False,
+    )
+
+
 def create_app(
     gov: Governor, settings: ProxySettings, *, session: aiohttp.ClientSession | None = None
 ) -> web.Application:
     """The proxy as an aiohttp application; run it with handler_cancellation=True."""
-    app = web.Application(client_max_size=settings.max_body_bytes)
+    middlewares = [auth_middleware(settings.api_keys)] if settings.api_keys is not None else []
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     h = ProxyHandlers(gov, settings)
     app[GOVERNOR] = gov
 
     async def lifecycle(app: web.Application) -> Any:
         own = session is None
-        h.session = session or aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(
-                total=None,
-                sock_connect=settings.connect_timeout_s,
-                sock_read=settings.read_timeout_s,
-            ),
-            auto_decompress=False,
-        )
+        h.session = session or _client_session(settings)
         await gov.start()
         yield
         await gov.stop()
@@ -349,12 +509,34 @@ def create_app(
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/chat/completions", h.chat)
+    app.router.add_route("*", "/v1/chat/completions", h.method_not_allowed)
     app.router.add_post("/v1/completions", h.completions)
+    app.router.add_route("*", "/v1/completions", h.method_not_allowed)
     app.router.add_route("*", "/v1/{tail:.*}", h.passthrough)
-    app.router.add_get("/metrics", h.metrics)
     app.router.add_get("/health", h.health)
     app.router.add_get("/ready", h.ready)
+    if settings.admin_on_main:
+        _add_admin_routes(app, h)
+    app.router.add_route("*", "/{tail:.*}", h.not_found)
+    return app
+
+
+def _add_admin_routes(app: web.Application, h: ProxyHandlers) -> None:
+    app.router.add_get("/metrics", h.metrics)
     app.router.add_get("/status", h.status)
     app.router.add_get("/status/history", h.history)
+
+
+def create_admin_app(gov: Governor, settings: ProxySettings) -> web.Application:
+    """/metrics, /status and /status/history on their own listener (--admin-port).
+
+    No client keys here: the admin listener is meant for a private address, where Prometheus
+    and operators reach it without the clients' credentials. The governor is started by the
+    main app; this one only reads it.
+    """
+    h = ProxyHandlers(gov, settings)
+    app = web.Application()
+    _add_admin_routes(app, h)
+    app.router.add_get("/health", h.health)
     app.router.add_route("*", "/{tail:.*}", h.not_found)
     return app

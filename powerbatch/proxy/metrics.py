@@ -15,7 +15,7 @@ STATES = ("warmup", "enforce", "observe", "fail_closed")
 class ProxyMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
-        self.power_w = Gauge("powerbatch_power_watts", "Measured power, smoothed", registry=r)
+        self.power_w = Gauge("powerbatch_power_watts", "Measured power, 1-second mean", registry=r)
         self.power_raw_w = Gauge(
             "powerbatch_power_raw_watts", "Latest power sample, outliers removed", registry=r
         )
@@ -120,6 +120,9 @@ class ProxyMetrics:
         # Create every labelled child up front so dashboards see zeros, not gaps.
         for p in PRIORITIES:
             self.queue_length.labels(p)
+            self.output_tokens.labels(p)
+            for hist in (self.ttft_s, self.tpot_s, self.e2e_s, self.queue_wait_s):
+                hist.labels(p)
             for outcome in ("ok", "upstream_error", "cancelled", "rejected", "bad_request"):
                 self.requests.labels(p, outcome)
         for c in CONSTRAINTS:

@@ -1,0 +1,95 @@
+"""Client API keys: who may use the proxy.
+
+Keys are compared with `hmac.compare_digest` against every configured key, with no early exit,
+so the time an answer takes says nothing about how much of a guess was right. Keys never appear
+in logs or reprs: the proxy logs no request headers, and `ApiKeys` prints only how many it holds.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable
+from pathlib import Path
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from powerbatch.errors import ConfigError
+from powerbatch.proxy.errors import error_response
+
+# Liveness and readiness probes stay open: orchestrators call them without credentials.
+PUBLIC_PATHS = frozenset({"/health", "/ready"})
+
+
+class ApiKeys:
+    """A set of accepted bearer tokens."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        cleaned = [k.strip() for k in keys if k.strip()]
+        if not cleaned:
+            raise ConfigError("API keys were configured, but none is non-empty")
+        for key in cleaned:
+            if any(c.isspace() for c in key) or not key.isprintable():
+                raise ConfigError("an API key contains whitespace or control characters")
+        self._keys = tuple(k.encode() for k in cleaned)
+
+    @classmethod
+    def load(cls, keys: str | None = None, path: str | None = None) -> ApiKeys | None:
+        """From a comma-separated list and/or a file (a key a line, `#` comments); else None."""
+        found: list[str] = []
+        if keys:
+            found += keys.split(",")
+        if path:
+            try:
+                lines = Path(path).read_text().splitlines()
+            except OSError as exc:
+                raise ConfigError(f"cannot read API key file {path}: {exc.strerror}") from exc
+            found += [ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+        if not keys and not path:
+            return None
+        return cls(found)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __repr__(self) -> str:
+        return f"ApiKeys(<{len(self._keys)} redacted>)"
+
+    def verify(self, presented: str) -> bool:
+        """True when `presented` equals one of the keys; the time taken does not depend on which."""
+        candidate = presented.encode("utf-8", "surrogateescape")
+        ok = False
+        for key in self._keys:
+            ok |= hmac.compare_digest(candidate, key)
+        return ok
+
+    def verify_header(self, authorization: str | None) -> bool:
+        """Check an `Authorization: Bearer <key>` header value."""
+        if not authorization:
+            return False
+        scheme, _, token = authorization.strip().partition(" ")
+        return scheme.lower() == "bearer" and self.verify(token.strip())
+
+
+def auth_middleware(keys: ApiKeys) -> Middleware:
+    """Answer 401 (OpenAI's shape) before the body is read, unless the request has a valid key."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in PUBLIC_PATHS:
+            return await handler(request)
+        header = request.headers.get("Authorization")
+        if keys.verify_header(header):
+            return await handler(request)
+        message = (
+            "Incorrect API key provided."
+            if header
+            else "You didn't provide an API key (Authorization: Bearer <key>)."
+        )
+        resp = error_response(401, message, code="invalid_api_key")
+        resp.headers["WWW-Authenticate"] = 'Bearer realm="powerbatch"'
+        return resp
+
+    return middleware

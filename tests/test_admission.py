@@ -1,0 +1,196 @@
+"""The admission queue: limits hold, order is by priority then arrival, nothing is lost."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import run
+
+from powerbatch.admission import AdmissionQueue, Rejected, Slot, parse_priority
+from powerbatch.control import Limits
+
+
+def test_parse_priority_accepts_aliases_and_rejects_the_rest() -> None:
+    assert parse_priority(None) == "normal"
+    assert parse_priority("Interactive") == "high"
+    assert parse_priority("batch") == "low"
+    assert parse_priority("0") == "high"
+    with pytest.raises(ValueError, match="accepted"):
+        parse_priority("urgent!!")
+
+
+def test_never_more_in_flight_than_the_limit_and_every_slot_released_once() -> None:
+    async def main() -> None:
+        q = AdmissionQueue(Limits(3, 10**9))
+        peak = 0
+
+        async def one(i: int) -> None:
+            nonlocal peak
+            slot = await q.admit("normal", 10, 10)
+            peak = max(peak, q.in_flight)
+            await asyncio.sleep(0.001 * (i % 5))
+            slot.release()
+            slot.release()  # idempotent: the second call must not free another place
+
+        await asyncio.gather(*(one(i) for i in range(60)))
+        assert peak == 3
+        assert q.in_flight == 0 and q.kv_in_flight == 0 and q.queued == 0
+        assert q.stats.admitted_total["normal"] == 60
+
+    run(main())
+
+
+def test_priority_first_then_fifo_within_a_class() -> None:
+    async def main() -> None:
+        q = AdmissionQueue(Limits(1, 10**9))
+        blocker = await q.admit("normal", 1, 1)
+        order: list[str] = []
+
+        async def one(name: str, prio: str) -> None:
+            slot = await q.admit(prio, 1, 1)
+            order.append(name)
+            slot.release()
+
+        tasks = []
+        for name, prio in [
+            ("n1", "normal"),
+            ("l1", "low"),
+            ("h1", "high"),
+            ("n2", "normal"),
+            ("h2", "high"),
+        ]:
+            tasks.append(asyncio.create_task(one(name, prio)))
+            await asyncio.sleep(0)  # enqueue in this order
+        blocker.release()
+        await asyncio.gather(*tasks)
+        assert order == ["h1", "h2", "n1", "n2", "l1"]
+
+    run(main())
+
+
+def test_kv_limit_holds_but_one_request_always_fits_an_empty_upstream() -> None:
+    async def main() -> None:
+        q = AdmissionQueue(Limits(100, 1_000))
+        big = await q.admit("normal", 5_000, 10)  # larger than the cap: admitted alone
+        waiting = asyncio.create_task(q.admit("normal", 600, 10))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        big.release()
+        small = await asyncio.wait_for(waiting, 1)
+        other = await q.admit("normal", 300, 10)
+        assert q.kv_in_flight == 900
+        third = asyncio.create_task(q.admit("normal", 200, 10))
+        await asyncio.sleep(0.01)
+        assert not third.done()  # 900 + 200 > 1000
+        small.release()
+        (await asyncio.wait_for(third, 1)).release()
+        other.release()
+
+    run(main())
+
+
+def test_wait_limit_answers_429_with_retry_after() -> None:
+    async def main() -> None:
+        q = AdmissionQueue(Limits(1, 10**9), max_wait_s={"normal": 0.05})
+        held = await q.admit("normal", 1, 1)
+        with pytest.raises(Rejected) as info:
+            await q.admit("normal", 1, 1)
+        assert info.value.status == 429 and info.value.reason == "queue_timeout"
+        assert info.value.retry_after_s is not None and info.value.retry_after_s >= 1
+        assert q.queued == 0
+        held.release()
+
+    run(main())
+
+
+def test_full_queue_sheds_lowest_priority_for_higher_and_refuses_equal() -> None:
+    async def main() -> None:
+        q = AdmissionQueue(Limits(1, 10**9), max_queue_len=2)
+        held = await q.admit("high", 1, 1)
+        low = asyncio.create_task(q.admit("low", 1, 1))
+        normal = asyncio.create_task(q.admit("normal", 1, 1))
+        await asyncio.sleep(0.01)
+        high = asyncio.create_task(q.admit("high", 1, 1))  # full: the low waiter makes room
+        await asyncio.sleep(0.01)
+        with pytest.raises(Rejected) as shed:
+            await low
+        assert shed.value.reason == "shed" and shed.value.status == 429
+        with pytest.raises(Rejected) as full:
+            await q.admit("low", 1, 1)  # nothing lower to shed
+        assert full.value.reason == "queue_full"
+        held.release()
+        for task in (high, normal):
+            slot: Slot = await asyncio.wait_for(task, 1)
+            slot.release()
+        assert q.in_flight == 0 and q.queued == 0
+
+    run(main())
+
+
+def test_cancelled_waiter_leaves_the_queue_and_takes_no_slot() -> None:
+    async def main() -> None:
+        q = AdmissionQueue(Limits(1, 10**9))
+        held = await q.admit("normal", 1, 1)
+        waiter = asyncio.create_task(q.admit("normal", 1, 1))
+        await asyncio.sleep(0.01)
+        assert q.queued == 1
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        assert q.queued == 0
+        held.release()
+        assert q.in_flight == 0
+
+    run(main())
+
+
+def test_prefill_pace_spreads_admissions() -> None:
+    async def main() -> None:
+        # 1000 prompt tokens a second, 100 per request: about 10 admissions a second.
+        q = AdmissionQueue(Limits(100, 10**9, prefill_tok_s=1_000.0), prefill_burst_s=0.1)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        slots = [await q.admit("normal", 100, 100) for _ in range(8)]
+        elapsed = loop.time() - t0
+        assert 0.45 <= elapsed <= 1.5, elapsed
+        for s in slots:
+            s.release()
+
+    run(main())
+
+
+def test_valley_fill_keeps_a_reserve_from_deferrable_work() -> None:
+    async def main() -> None:
+        q = AdmissionQueue(Limits(10, 10**9), valley_fill=True, fill_reserve_frac=0.2)
+        lows = [await q.admit("low", 1, 1) for _ in range(8)]
+        blocked = asyncio.create_task(q.admit("low", 1, 1))
+        await asyncio.sleep(0.01)
+        assert not blocked.done()  # 2 of 10 kept for interactive arrivals
+        high = await asyncio.wait_for(q.admit("high", 1, 1), 1)
+        blocked.cancel()
+        await asyncio.gather(blocked, return_exceptions=True)
+        for s in [*lows, high]:
+            s.release()
+
+    run(main())
+
+
+def test_drain_answers_queued_with_503_and_refuses_new() -> None:
+    async def main() -> None:
+        q = AdmissionQueue(Limits(1, 10**9))
+        held = await q.admit("normal", 1, 1)
+        waiting = asyncio.create_task(q.admit("normal", 1, 1))
+        await asyncio.sleep(0.01)
+        q.drain()
+        with pytest.raises(Rejected) as queued:
+            await waiting
+        assert queued.value.status == 503
+        with pytest.raises(Rejected):
+            await q.admit("high", 1, 1)
+        idle = asyncio.create_task(q.wait_idle())
+        await asyncio.sleep(0.01)
+        assert not idle.done()
+        held.release()
+        await asyncio.wait_for(idle, 1)
+
+    run(main())

@@ -1,0 +1,146 @@
+"""The controller in closed loop with plants it was not written for, and its failure modes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from powerbatch.control import ControlConfig, Controller, LatencySnapshot, Observation
+from powerbatch.estimate import Features
+
+Plant = Callable[[float], float]  # mean 1-second power at a batch
+
+
+def linear(n: float) -> float:
+    return 150.0 + 4.0 * n
+
+
+def saturating(n: float) -> float:
+    return 250.0 + 450.0 * (1.0 - math.exp(-n / 60.0))
+
+
+def concave_log(n: float) -> float:
+    return 420.0 + 45.0 * math.log2(1.0 + n)
+
+
+def run_loop(
+    plant: Plant,
+    ceiling_w: float,
+    *,
+    seconds: float = 90.0,
+    demand: Callable[[float], int] = lambda t: 10_000,
+    noise_w: float = 8.0,
+    sensor_ok: Callable[[float], bool] = lambda t: True,
+    latency: Callable[[float, int], LatencySnapshot | None] = lambda t, n: None,
+    config: dict[str, object] | None = None,
+    seed: int = 0,
+) -> list[tuple[float, float, int, str, str]]:
+    """Tick at 5 Hz; the plant's power follows the admitted batch. Returns (t, W, limit, ...)."""
+    rng = np.random.default_rng(seed)
+    cfg = ControlConfig(ceiling_w=ceiling_w, max_batch=256, **config or {})  # type: ignore[arg-type]
+    ctl = Controller(cfg)
+    limit = cfg.initial_batch
+    out = []
+    for i in range(int(seconds * cfg.tick_hz)):
+        t = i / cfg.tick_hz
+        batch = min(limit, demand(t))
+        power = plant(batch) + rng.normal(0, noise_w)
+        feats = Features(batch, 900.0 * batch, 40.0 * batch, 30.0 * batch)
+        ok = sensor_ok(t)
+        obs = Observation(
+            t_s=t,
+            power_w=power if ok else None,
+            sensor_ok=ok,
+            sensor_error=None if ok else "scripted failure",
+            features=feats,
+            in_flight=batch,
+            queued=max(demand(t) - batch, 0),
+            latency=latency(t, batch),
+        )
+        d = ctl.tick(obs)
+        limit = d.enforced.max_requests
+        out.append((t, power, limit, d.binding, d.state))
+    return out
+
+
+def feasible_batch(plant: Plant, ceiling_w: float) -> int:
+    return max(n for n in range(1, 257) if plant(n) <= ceiling_w)
+
+
+def test_learns_each_plant_and_holds_the_ceiling() -> None:
+    for plant, ceiling in ((linear, 500.0), (saturating, 600.0), (concave_log, 700.0)):
+        trace = run_loop(plant, ceiling)
+        settled = [r for r in trace if r[0] >= 30]
+        above = np.mean([p > ceiling for _, p, *_ in settled])
+        limits = [lim for _, _, lim, *_ in settled]
+        assert above <= 0.01, (plant.__name__, above)
+        # It uses most of the budget (margin, dead band and noise take the rest), without a
+        # model of the plant, and never holds a batch far past what fits.
+        median_w = float(np.median([p for _, p, *_ in settled]))
+        assert median_w >= 0.9 * ceiling, (plant.__name__, median_w)
+        assert max(limits) <= feasible_batch(plant, ceiling + 30), plant.__name__
+        bindings = {b for *_, b, _ in settled}
+        assert "power" in bindings
+
+
+def test_low_demand_binds_nothing_and_power_follows_demand() -> None:
+    trace = run_loop(linear, 500.0, demand=lambda t: 20)
+    late = trace[-50:]
+    assert {b for *_, b, _ in late} <= {"none", "demand"}
+    assert all(p < 500 for _, p, *_ in late)
+
+
+def test_step_in_plant_power_is_cut_at_once() -> None:
+    shift = {"w": 0.0}
+
+    def plant(n: float) -> float:
+        return linear(n) + shift["w"]
+
+    cfg = ControlConfig(ceiling_w=500.0, max_batch=256)
+    ctl = Controller(cfg)
+    limit = cfg.initial_batch
+    for i in range(400):
+        t = i / 5
+        if t >= 60:
+            shift["w"] = 120.0  # e.g. a model swap makes every request dearer
+        batch = limit
+        power = plant(batch)
+        obs = Observation(
+            t, power, True, Features(batch, 900 * batch, 40 * batch, 30 * batch), batch, 1000
+        )
+        d = ctl.tick(obs)
+        if t == 60.0:
+            assert d.emergency, "a measured breach must cut without waiting for the model"
+            assert d.enforced.max_requests < limit
+        limit = d.enforced.max_requests
+    assert plant(limit) <= 500.0 + 10  # settled under the ceiling on the new plant
+
+
+def test_sensor_failure_fails_closed_then_recovers() -> None:
+    trace = run_loop(linear, 500.0, sensor_ok=lambda t: not 40 <= t < 50)
+    during = [r for r in trace if 41 <= r[0] < 50]
+    assert all(lim <= 2 for _, _, lim, *_ in during)
+    assert all(state == "fail_closed" and b == "sensor" for *_, b, state in during)
+    after = [r for r in trace if r[0] >= 80]
+    assert np.median([lim for _, _, lim, *_ in after]) > 20
+    assert all(state == "enforce" for *_, state in after)
+
+
+def test_warmup_holds_initial_batch_and_observe_mode_enforces_nothing() -> None:
+    trace = run_loop(linear, 500.0, seconds=10, config={"warmup_s": 5.0, "initial_batch": 6})
+    assert all(lim == 6 and state == "warmup" for t, _, lim, _, state in trace if t < 5)
+    observe = run_loop(linear, 500.0, seconds=30, config={"mode": "observe"})
+    assert all(lim == 256 for _, _, lim, *_ in observe)  # admission sees the configured max
+
+
+def test_latency_violation_shrinks_the_batch_within_the_power_limit() -> None:
+    def slow_tokens(t: float, n: int) -> LatencySnapshot:
+        # time per output token grows with batch; the SLO (0.1 s) holds up to batch 40
+        return LatencySnapshot(0.5, 0.0025 * n, {"high": 0.5}, 100)
+
+    trace = run_loop(linear, 2000.0, latency=slow_tokens, seconds=120)
+    late = trace[-100:]
+    assert np.median([lim for _, _, lim, *_ in late]) <= 48
+    assert "latency" in {b for *_, b, _ in late}
