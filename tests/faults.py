@@ -12,19 +12,19 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
-from conftest import FuncPowerSource
 
 from powerbatch.admission import AdmissionQueue
 from powerbatch.control import ControlConfig, Controller, Limits
+from powerbatch.errors import SensorReadError
 from powerbatch.proxy import Governor, ProxyMetrics, ProxySettings, create_app
 from powerbatch.proxy.app import create_admin_app
-from powerbatch.telemetry import PowerMonitor
+from powerbatch.telemetry import PowerMonitor, PowerSample
 
 
 @dataclass
@@ -88,7 +88,9 @@ class FaultyUpstream:
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_get("/health", self._health)
         app.router.add_route("*", "/{tail:.*}", self._other)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.1)
+        runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=0.1
+        )
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", self.port, reuse_address=True)
         await site.start()
@@ -163,7 +165,10 @@ class FaultyUpstream:
 
     async def _stream(self, request: web.Request, b: Behaviour) -> web.StreamResponse:
         resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+            }
         )
         await resp.prepare(request)
         pieces = b.chunks if b.chunks is not None else sse_events(b.tokens)
@@ -189,16 +194,31 @@ class Proxy:
     url: str
     gov: Governor
     settings: ProxySettings
-    power: dict[str, Any]  # {"w": watts or None or a callable}: what the sensor reads now
+    power: dict[str, Any]  # the ScriptedPowerSource's state: what the sensor reads now
     admin_url: str | None = None
 
 
-def _power_fn(state: dict[str, Any]) -> Callable[[], float | None]:
-    def read() -> float | None:
-        value = state["w"]
-        return value() if callable(value) else value
+class ScriptedPowerSource:
+    """The sensor under test: `state["w"]` is watts, None (a read error) or a callable giving
+    either; `state["delay_s"]` makes each read take that long (a hung or lagging exporter)."""
 
-    return read
+    name = "scripted"
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    async def read(self) -> PowerSample:
+        if self.state.get("delay_s"):
+            await asyncio.sleep(self.state["delay_s"])
+        value = self.state["w"]
+        if callable(value):
+            value = value()
+        if value is None:
+            raise SensorReadError("scripted failure")
+        return PowerSample(time.monotonic(), value, None)
+
+    async def close(self) -> None:
+        return None
 
 
 @asynccontextmanager
@@ -222,7 +242,7 @@ async def running_proxy(
     Warm-up pins the batch at `batch` (initial = max), so admission is deterministic while the
     sensor is good; a bad sensor drops it to `safe_batch`.
     """
-    power: dict[str, Any] = {"w": 0.3 * ceiling_w}
+    power: dict[str, Any] = {"w": 0.3 * ceiling_w, "delay_s": 0.0}
     cfg = ControlConfig(
         ceiling_w=ceiling_w,
         tick_hz=tick_hz,
@@ -239,12 +259,13 @@ async def running_proxy(
         max_wait_s={"high": max_wait_s, "normal": max_wait_s, "low": max_wait_s},
     )
     monitor = PowerMonitor(
-        FuncPowerSource(_power_fn(power)),
+        ScriptedPowerSource(power),
         interval_s=power_interval_s,
         stale_after_s=stale_after_s,
         max_plausible_w=3 * ceiling_w,
     )
     gov = Governor(Controller(cfg), queue, monitor, ProxyMetrics())
+    await monitor.poll_once()  # a good reading before the first tick: no start-up fail-closed
     ps = replace(ProxySettings(upstream_url=upstream_url), admin_on_main=not admin_port, **settings)
     runner = web.AppRunner(
         create_app(gov, ps), handler_cancellation=True, access_log=None, shutdown_timeout=0.5

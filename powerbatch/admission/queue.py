@@ -99,7 +99,7 @@ class AdmissionQueue:
         self._wakeup: asyncio.TimerHandle | None = None
         # EWMA of the time between grants, for a truthful Retry-After. The interval, not its
         # inverse, is averaged: a mean of 1/dt is dominated by grants that land together.
-        self._grant_interval_s = 1.0
+        self._grant_interval_s: float | None = None  # None until a waiter has been granted
         self._last_grant_t = clock()
         self._idle: asyncio.Event | None = None
 
@@ -147,7 +147,7 @@ class AdmissionQueue:
     def retry_after_s(self, priority: str) -> int:
         """Seconds until a request of this class could expect a slot, from the recent grant rate."""
         ahead = sum(self._live[p] for p in PRIORITIES[: rank(priority) + 1])
-        interval_s = self._grant_interval_s
+        interval_s = 1.0 if self._grant_interval_s is None else self._grant_interval_s
         if self.queued:  # nothing granted for a while (a stalled upstream): the silence counts
             interval_s = max(interval_s, self._clock() - self._last_grant_t)
         return int(min(60, max(1, math.ceil((ahead + 1) * interval_s))))
@@ -230,7 +230,8 @@ class AdmissionQueue:
         if waited_since_s is not None:
             # Only grants to waiters measure the service rate; an immediate grant measures demand.
             dt = min(max(now - max(self._last_grant_t, waited_since_s), 0.0), 60.0)
-            self._grant_interval_s = 0.9 * self._grant_interval_s + 0.1 * dt
+            prev = self._grant_interval_s
+            self._grant_interval_s = dt if prev is None else 0.8 * prev + 0.2 * dt
         self._last_grant_t = now
         return Slot(self, priority, kv_tokens, now)
 
@@ -295,7 +296,10 @@ class AdmissionQueue:
         """
         q = self._queues[priority]
         if len(q) > 2 * self._live[priority] + 32:
-            self._queues[priority] = deque(w for w in q if not w.gone)
+            # In place: callers (_head, _shed_below) may hold a reference to this deque.
+            live = [w for w in q if not w.gone]
+            q.clear()
+            q.extend(live)
 
     def _expire(self, w: _Waiter) -> None:
         if w.gone or w.future.done():

@@ -231,4 +231,5 @@ async def serve(o: dict[str, Any], stop: asyncio.Event | None = None) -> None:
     finally:
         for r in reversed(runners):
             await r.cleanup()
+        await gov.monitor.source.close()  # the monitor leaves its source to its owner: us
         stop_backstop(limiter)

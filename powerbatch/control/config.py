@@ -24,7 +24,7 @@ class ControlConfig:
     initial_batch: int = 8
     safe_batch: int = 2  # where the batch goes when no power reading can be trusted
     max_kv_tokens: int = 2_000_000
-    step_up_frac: float = 0.1  # largest growth of the batch per tick
+    step_up_frac: float = 0.2  # largest growth of the batch per tick
     confidence: float = 0.95  # of the one-sided upper prediction bound
     model_half_life_s: float = 20.0
     model_window: int = 1_500

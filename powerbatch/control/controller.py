@@ -216,8 +216,10 @@ class Controller:
             self._kv_scale = min(1.0, self._kv_scale * 1.02)
 
     def _kv_limit(self, batch: int) -> int:
-        # Leads the batch by 25% so a shift to longer contexts is capped before power shows it.
-        by_shape = 1.25 * batch * self._shape.kv_tokens * self._kv_scale
+        # Twice the batch's usual KV: room for the spread of context lengths (a single long
+        # prompt must not idle the batch), yet a shift to much longer contexts is capped
+        # before the power it costs shows on the meter.
+        by_shape = 2.0 * batch * self._shape.kv_tokens * self._kv_scale
         return int(min(self.config.max_kv_tokens, max(by_shape, self._shape.kv_tokens)))
 
     def _prefill_pace(self, batch: int, target_w: float) -> float | None:
@@ -225,12 +227,13 @@ class Controller:
         if not cfg.prefill_pacing:
             return None
         steady = max(self._shape.prefill_tok_s * batch, cfg.min_prefill_tok_s)
-        # Never more than 1.5x the steady flow: a burst of prompts is a burst of watts.
-        rates = steady * np.array([1.1, 1.25, 1.5])
+        # Between 1.5x and 3x the steady flow: less starves the batch it is meant to feed,
+        # more lets a burst of prompts through as a burst of watts.
+        rates = steady * np.array([1.5, 2.0, 3.0])
         at_batch = self._shape.scaled(float(batch))
         upper = self.model.predict([at_batch.with_prefill(float(r)) for r in rates]).upper_w
         ok = rates[upper <= target_w]
-        return float(ok.max()) if len(ok) else 1.1 * steady
+        return float(ok.max()) if len(ok) else float(rates[0])
 
     # -- the tick -----------------------------------------------------------------------------
 

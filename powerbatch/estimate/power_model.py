@@ -42,6 +42,7 @@ class PowerPrior:
     kv_tokens_per_request: float = 1_000.0
     decode_tok_s_per_request: float = 30.0
     heavy_prefill_tok_s: float = 20_000.0
+    slope_per_doubling: float = 0.05  # share of max_w per doubling of the batch
 
     @property
     def noise_w(self) -> float:
@@ -55,14 +56,17 @@ class PowerPrior:
         return cls(idle_w=_IDLE_OVER_TDP * tdp_w, max_w=tdp_w, max_batch=max_batch)
 
     def points(self) -> list[tuple[Features, float]]:
-        span = math.log2(1 + self.max_batch)
         out: list[tuple[Features, float]] = []
         for batch in sorted({0, 1, 4, 16, 64, self.max_batch}):
-            base_w = self.idle_w + (0.85 * self.max_w - self.idle_w) * math.log2(1 + batch) / span
+            # Busy power rises a few percent of the limit per doubling of the batch: the
+            # facts file's curves give 3% (8B, H100), 3% (decode on H200) and 5% (70B, 4 GPUs).
+            busy_w = self.max_w * (0.5 + self.slope_per_doubling * math.log2(1 + batch))
+            base_w = self.idle_w if batch == 0 else busy_w
             for prefill in (0.0, self.heavy_prefill_tok_s):
                 if batch == 0 and prefill:
                     continue
-                power_w = base_w + (self.max_w - base_w) * (prefill / self.heavy_prefill_tok_s)
+                # Additive, as the regression is: heavy prefill adds about half the limit.
+                power_w = base_w + 0.5 * self.max_w * (prefill / self.heavy_prefill_tok_s)
                 f = Features(
                     float(batch),
                     batch * self.kv_tokens_per_request,

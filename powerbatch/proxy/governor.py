@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from powerbatch.admission import PRIORITIES, AdmissionQueue
-from powerbatch.control import BINDINGS, Controller, Decision, LatencyWindow, Limits, Observation
+from powerbatch.control import Controller, Decision, LatencyWindow, Limits, Observation
 from powerbatch.estimate import Features
-from powerbatch.proxy.metrics import STATES, ProxyMetrics
+from powerbatch.proxy.metrics import ProxyMetrics
 from powerbatch.telemetry import (
     PowerMonitor,
     PowerReading,
@@ -229,27 +229,11 @@ class Governor:
         self, d: Decision, raw_w: float | None, energy_j: float | None, obs: Observation
     ) -> None:
         m = self.metrics
-        m.power_w.set(d.power_w if d.power_w is not None else math.nan)
-        m.power_raw_w.set(raw_w if raw_w is not None else math.nan)
-        m.energy_j.set(energy_j if energy_j is not None else math.nan)
-        m.sensor_ok.set(1.0 if d.state != "fail_closed" else 0.0)
-        m.predicted_w.set(d.predicted_w)
-        m.predicted_upper_w.set(d.predicted_upper_w)
-        m.target_w.set(d.target_w)
-        for kind, limits in (("enforced", d.enforced), ("proposed", d.proposed)):
-            m.limit_requests.labels(kind).set(limits.max_requests)
-            m.limit_kv_tokens.labels(kind).set(limits.max_kv_tokens)
-        m.limit_prefill.set(d.proposed.prefill_tok_s or 0.0)
+        m.export_decision(d, raw_w, energy_j)
         m.in_flight.set(self.queue.in_flight)
         m.kv_in_flight.set(self.queue.kv_in_flight)
         for p, n in self.queue.queued_by_class().items():
             m.queue_length.labels(p).set(n)
-        for c, v in d.multipliers.items():
-            m.multiplier.labels(c).set(v)
-        for b in BINDINGS:
-            m.binding.labels(b).set(1.0 if b == d.binding else 0.0)
-        for s in STATES:
-            m.state.labels(s).set(1.0 if s == d.state else 0.0)
         lat = obs.latency
         m.latency_p95_s.labels("ttft").set(
             lat.ttft_p95_s if lat and lat.ttft_p95_s is not None else math.nan

@@ -5,70 +5,24 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from powerbatch.admission import PRIORITIES
-from powerbatch.control import BINDINGS, CONSTRAINTS
+from powerbatch.control.metrics import ControlMetrics
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
-STATES = ("warmup", "enforce", "observe", "fail_closed")
 
 
-class ProxyMetrics:
+class ProxyMetrics(ControlMetrics):
+    """The controller's gauges plus what only a proxy sees: requests, queue, latency."""
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or CollectorRegistry()
-        self.power_w = Gauge("powerbatch_power_watts", "Measured power, 1-second mean", registry=r)
-        self.power_raw_w = Gauge(
-            "powerbatch_power_raw_watts", "Latest power sample, outliers removed", registry=r
-        )
-        self.predicted_w = Gauge(
-            "powerbatch_power_predicted_watts", "Model mean at the chosen batch", registry=r
-        )
-        self.predicted_upper_w = Gauge(
-            "powerbatch_power_predicted_upper_watts",
-            "Upper prediction bound at the chosen batch",
-            registry=r,
-        )
-        self.ceiling_w = Gauge("powerbatch_power_ceiling_watts", "Hard ceiling", registry=r)
-        self.target_w = Gauge(
-            "powerbatch_power_target_watts", "Ceiling less margin and multiplier", registry=r
-        )
-        self.energy_j = Gauge(
-            "powerbatch_energy_joules", "The sensor's cumulative energy counter", registry=r
-        )
-        self.sensor_ok = Gauge(
-            "powerbatch_sensor_ok", "1 while the power reading is trusted", registry=r
-        )
-        self.limit_requests = Gauge(
-            "powerbatch_limit_requests", "Batch limit (requests in flight)", ["kind"], registry=r
-        )
-        self.limit_kv_tokens = Gauge(
-            "powerbatch_limit_kv_tokens", "KV tokens in flight limit", ["kind"], registry=r
-        )
-        self.limit_prefill = Gauge(
-            "powerbatch_limit_prefill_tokens_per_second",
-            "Prefill pace (0 when not paced)",
-            registry=r,
-        )
+        super().__init__(registry)
+        r = self.registry
         self.in_flight = Gauge("powerbatch_requests_in_flight", "Requests upstream now", registry=r)
         self.kv_in_flight = Gauge(
             "powerbatch_kv_tokens_in_flight", "Estimated KV tokens upstream now", registry=r
         )
         self.queue_length = Gauge(
             "powerbatch_queue_length", "Requests waiting", ["priority"], registry=r
-        )
-        self.multiplier = Gauge(
-            "powerbatch_multiplier",
-            "Lagrange multiplier per constraint",
-            ["constraint"],
-            registry=r,
-        )
-        self.binding = Gauge(
-            "powerbatch_binding_constraint",
-            "1 for the constraint setting the batch",
-            ["constraint"],
-            registry=r,
-        )
-        self.state = Gauge(
-            "powerbatch_controller_state", "1 for the controller's state", ["state"], registry=r
         )
         self.latency_p95_s = Gauge(
             "powerbatch_latency_p95_seconds", "Sliding-window p95", ["metric"], registry=r
@@ -125,9 +79,3 @@ class ProxyMetrics:
                 hist.labels(p)
             for outcome in ("ok", "upstream_error", "cancelled", "rejected", "bad_request"):
                 self.requests.labels(p, outcome)
-        for c in CONSTRAINTS:
-            self.multiplier.labels(c)
-        for b in BINDINGS:
-            self.binding.labels(b)
-        for s in STATES:
-            self.state.labels(s)

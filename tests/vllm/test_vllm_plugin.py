@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -63,9 +64,11 @@ class LoadStats:
     errors: int = 0
     bad_counts: int = 0
     chunks: int = 0
+    # per request, seconds on the sampler's clock: (sent, first chunk, done)
+    timings: list[tuple[float, float, float]] = field(default_factory=list)
 
 
-async def run_phase(base_url: str, phase: Phase, stats: LoadStats) -> None:
+async def run_phase(base_url: str, phase: Phase, stats: LoadStats, t0: float = 0.0) -> None:
     """`clients` closed-loop streaming clients (the official `openai` client) for `seconds`."""
     import openai
 
@@ -76,6 +79,8 @@ async def run_phase(base_url: str, phase: Phase, stats: LoadStats) -> None:
         n = 0
         while time.monotonic() < deadline:
             n += 1
+            t_sent = time.monotonic() - t0
+            t_first = math.nan
             try:
                 stream = await client.completions.create(
                     model="tiny",
@@ -88,6 +93,8 @@ async def run_phase(base_url: str, phase: Phase, stats: LoadStats) -> None:
                 )
                 usage = None
                 async for chunk in stream:
+                    if math.isnan(t_first):
+                        t_first = time.monotonic() - t0
                     stats.chunks += 1
                     if chunk.usage is not None:
                         usage = chunk.usage
@@ -98,6 +105,7 @@ async def run_phase(base_url: str, phase: Phase, stats: LoadStats) -> None:
                 ):
                     stats.bad_counts += 1
                 stats.ok += 1
+                stats.timings.append((t_sent, t_first, time.monotonic() - t0))
             except openai.OpenAIError:
                 stats.errors += 1
                 await asyncio.sleep(0.2)
@@ -116,7 +124,7 @@ async def drive(base_url: str, sampler: Sampler) -> tuple[dict[str, LoadStats], 
         sampler.phase = phase.name
         starts[phase.name] = sampler.now()
         out[phase.name] = LoadStats()
-        await run_phase(base_url, phase, out[phase.name])
+        await run_phase(base_url, phase, out[phase.name], sampler.t0)
     sampler.phase = "idle"
     await asyncio.sleep(1.0)
     sampler.stop()
@@ -143,6 +151,8 @@ def flatten(rows: list[dict[str, Any]], proxy: bool) -> list[dict[str, Any]]:
                 "vllm_running": value(v, "vllm:num_requests_running"),
                 "vllm_waiting": value(v, "vllm:num_requests_waiting"),
                 "vllm_kv_usage": value(v, "vllm:kv_cache_usage_perc"),
+                "engine_running": value(p, "powerbatch_engine_requests_running"),
+                "engine_waiting": value(p, "powerbatch_engine_requests_waiting"),
                 "model_power_raw_w": value(p, "DCGM_FI_DEV_POWER_USAGE"),
                 "power_w": value(ctl, "powerbatch_power_watts"),
                 "limit_requests": value(ctl, "powerbatch_limit_requests", kind="enforced"),
@@ -160,18 +170,64 @@ def flatten(rows: list[dict[str, Any]], proxy: bool) -> list[dict[str, Any]]:
     return flat
 
 
-def report(name: str, flat: list[dict[str, Any]], loads: dict[str, LoadStats]) -> dict[str, Any]:
+_LATENCIES = (
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_inference_time_seconds",
+)
+
+
+def vllm_latency(rows: list[dict[str, Any]], phase: str) -> dict[str, float | None]:
+    """Mean of vLLM's own per-request latencies over a phase (histogram sum and count deltas)."""
+    mine = [r.get("vllm", {}) for r in rows if r["phase"] == phase and r.get("vllm")]
+    out: dict[str, float | None] = {}
+    for name in _LATENCIES:
+        key = name.removeprefix("vllm:").removesuffix("_seconds")
+        out[key] = None
+        if len(mine) < 2:
+            continue
+        s0, s1 = value(mine[0], name + "_sum"), value(mine[-1], name + "_sum")
+        c0, c1 = value(mine[0], name + "_count"), value(mine[-1], name + "_count")
+        if None not in (s0, s1, c0, c1) and c1 > c0:  # type: ignore[operator]
+            out[key] = round((s1 - s0) / (c1 - c0), 4)  # type: ignore[operator]
+    return out
+
+
+def client_latency(stats: LoadStats) -> dict[str, Any]:
+    """What the clients saw: sent to first chunk, first chunk to done, sent to done (medians)."""
+    t = stats.timings
+    if not t:
+        return {"n": 0}
+    return {
+        "n": len(t),
+        "first_chunk_s": summarize([f - s for s, f, _ in t])["median"],
+        "stream_s": summarize([d - f for _, f, d in t])["median"],
+        "total_s": summarize([d - s for s, _, d in t])["median"],
+    }
+
+
+def report(
+    name: str,
+    flat: list[dict[str, Any]],
+    loads: dict[str, LoadStats],
+    rows: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Per-phase summaries and a 2-second trace, written to out/ and printed (pytest -s)."""
     summary: dict[str, Any] = {"ceiling_w": CEILING_W, "phases": {}}
     for phase in (HEAVY, LIGHT):
-        rows = [r for r in flat if r["phase"] == phase.name]
+        rows_ = [r for r in flat if r["phase"] == phase.name]
+        load = {k: v for k, v in vars(loads[phase.name]).items() if k != "timings"}
         summary["phases"][phase.name] = {
-            "load": vars(loads[phase.name]),
+            "load": load,
+            "client_latency": client_latency(loads[phase.name]),
+            "vllm_latency": vllm_latency(rows or [], phase.name),
             **{
-                key: summarize([r[key] for r in rows if r[key] is not None])
+                key: summarize([r[key] for r in rows_ if r[key] is not None])
                 for key in (
                     "vllm_running",
                     "vllm_waiting",
+                    "engine_running",
+                    "engine_waiting",
                     "power_w",
                     "model_power_raw_w",
                     "limit_requests",
@@ -181,6 +237,9 @@ def report(name: str, flat: list[dict[str, Any]], loads: dict[str, LoadStats]) -
             },
         }
     (OUT / f"{name}-trace.json").write_text(json.dumps(flat, indent=None))
+    (OUT / f"{name}-requests.json").write_text(
+        json.dumps({k: v.timings for k, v in loads.items()}, indent=None)
+    )
     (OUT / f"{name}-summary.json").write_text(json.dumps(summary, indent=2))
     lines = [f"\n=== {name}: t_s phase running waiting limit power_w raw_w binding ==="]
     last = -10.0
@@ -238,7 +297,8 @@ def test_scheduler_plugin_holds_ceiling_in_real_vllm() -> None:
         )
         loads, starts = asyncio.run(drive(server.url, sampler))
         flat = flatten(sampler.rows, proxy=False)
-        report("plugin", flat, loads)
+        report("plugin", flat, loads, sampler.rows)
+        (OUT / "plugin-history.json").write_text(_get(server.plugin_url + "/history"))
         heavy, light = check_common(flat, starts, loads)
 
         # Demand exceeded what vLLM would run, the scheduler kept it waiting in vLLM's queue.
@@ -290,7 +350,7 @@ def test_proxy_in_front_of_real_vllm_holds_ceiling() -> None:
         )
         loads, starts = asyncio.run(drive(proxy_url, sampler))
         flat = flatten(sampler.rows, proxy=True)
-        report("proxy", flat, loads)
+        report("proxy", flat, loads, sampler.rows)
         heavy, light = check_common(flat, starts, loads)
 
         # In observe mode the engine's limits stay at what vLLM was configured with.

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from typing import Any
 
-from powerbatch.control import BINDINGS, Controller, Decision, Observation
+from powerbatch.control import Controller, Decision, Observation
 from powerbatch.estimate import Features
 from powerbatch.sim.power_source import ModelPowerSource
 from powerbatch.telemetry import (
@@ -29,7 +29,7 @@ from powerbatch.telemetry import (
 )
 from powerbatch_vllm.config import PluginConfig
 from powerbatch_vllm.engine import EngineCaps, EngineLimits, StepStats, engine_limits
-from powerbatch_vllm.metrics import STATES, PluginMetrics, StatusServer, dcgm_text
+from powerbatch_vllm.metrics import PluginMetrics, StatusServer, dcgm_text
 
 log = logging.getLogger("vllm.powerbatch")
 
@@ -269,15 +269,7 @@ class ControlThread:
     def _export(self, d: Decision, raw_w: float | None, snap: dict[str, float]) -> None:
         m = self.metrics
         m.ticks.inc()
-        m.power_w.set(d.power_w if d.power_w is not None else math.nan)
-        m.power_raw_w.set(raw_w if raw_w is not None else math.nan)
-        m.sensor_ok.set(0.0 if d.state == "fail_closed" else 1.0)
-        m.predicted_upper_w.set(d.predicted_upper_w)
-        m.target_w.set(d.target_w)
-        for kind, limits in (("enforced", d.enforced), ("proposed", d.proposed)):
-            m.limit_requests.labels(kind).set(limits.max_requests)
-            m.limit_kv_tokens.labels(kind).set(limits.max_kv_tokens)
-        m.limit_prefill.set(d.proposed.prefill_tok_s or 0.0)
+        m.export_decision(d, raw_w)
         self._export_limits(int(snap["running"]))
         m.running.set(snap["running"])
         m.waiting.set(snap["waiting"])
@@ -286,10 +278,6 @@ class ControlThread:
         f = self._features
         for name in ("batch", "kv_tokens", "prefill_tok_s", "decode_tok_s"):
             m.feature.labels(name).set(getattr(f, name))
-        for c, v in d.multipliers.items():
-            m.multiplier.labels(c).set(v)
-        m.set_one_hot(m.binding, BINDINGS, d.binding)
-        m.set_one_hot(m.state, STATES, d.state)
 
     def _extra_text(self) -> str:
         if self.cfg.power_source != "model":

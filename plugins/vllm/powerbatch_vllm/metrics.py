@@ -19,49 +19,21 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from powerbatch.control import BINDINGS, CONSTRAINTS
+from powerbatch.control.metrics import STATES as CONTROL_STATES
+from powerbatch.control.metrics import ControlMetrics
 
 log = logging.getLogger("vllm.powerbatch")
 
-STATES = ("starting", "warmup", "enforce", "observe", "fail_closed")
+STATES = ("starting", *CONTROL_STATES)
 KNOBS = ("active_requests", "step_tokens", "kv_blocks")
 
 
-class PluginMetrics:
-    """One registry per engine; names match the proxy's where the meaning is the same."""
+class PluginMetrics(ControlMetrics):
+    """The controller's gauges (shared with the proxy) plus what the engine knows exactly."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or CollectorRegistry()
-        self.power_w = Gauge("powerbatch_power_watts", "Measured power, smoothed", registry=r)
-        self.power_raw_w = Gauge(
-            "powerbatch_power_raw_watts", "Latest power sample, outliers removed", registry=r
-        )
-        self.predicted_upper_w = Gauge(
-            "powerbatch_power_predicted_upper_watts",
-            "Upper prediction bound at the chosen batch",
-            registry=r,
-        )
-        self.ceiling_w = Gauge("powerbatch_power_ceiling_watts", "Hard ceiling", registry=r)
-        self.target_w = Gauge(
-            "powerbatch_power_target_watts", "Ceiling less margin and multiplier", registry=r
-        )
-        self.sensor_ok = Gauge(
-            "powerbatch_sensor_ok", "1 while the power reading is trusted", registry=r
-        )
-        self.limit_requests = Gauge(
-            "powerbatch_limit_requests",
-            "Controller's batch limit (requests in the running set)",
-            ["kind"],
-            registry=r,
-        )
-        self.limit_kv_tokens = Gauge(
-            "powerbatch_limit_kv_tokens", "Controller's KV token limit", ["kind"], registry=r
-        )
-        self.limit_prefill = Gauge(
-            "powerbatch_limit_prefill_tokens_per_second",
-            "Prefill pace (0 when not paced)",
-            registry=r,
-        )
+        super().__init__(registry, STATES)
+        r = self.registry
         self.engine_limit = Gauge(
             "powerbatch_engine_limit",
             "Limit in force in vLLM's scheduler, in the engine's units",
@@ -92,31 +64,11 @@ class PluginMetrics:
             ["name"],
             registry=r,
         )
-        self.multiplier = Gauge(
-            "powerbatch_multiplier",
-            "Lagrange multiplier per constraint",
-            ["constraint"],
-            registry=r,
-        )
-        self.binding = Gauge(
-            "powerbatch_binding_constraint",
-            "1 for the constraint setting the batch",
-            ["constraint"],
-            registry=r,
-        )
-        self.state = Gauge(
-            "powerbatch_controller_state", "1 for the controller's state", ["state"], registry=r
-        )
         self.ticks = Counter("powerbatch_control_ticks", "Control decisions made", registry=r)
         self.tick_errors = Counter(
             "powerbatch_control_tick_errors", "Ticks that failed (safe limits held)", registry=r
         )
-        for c in CONSTRAINTS:
-            self.multiplier.labels(c)
-        for b in BINDINGS:
-            self.binding.labels(b)
-        for s in STATES:
-            self.state.labels(s).set(1.0 if s == "starting" else 0.0)
+        self.state.labels("starting").set(1.0)
         self.sensor_ok.set(0.0)
         self.power_w.set(math.nan)
 

@@ -1,0 +1,99 @@
+"""The controller's state as Prometheus gauges: one definition for the proxy and the vLLM plugin.
+
+Names carry units (`_watts`, `_tokens`); one-hot gauges carry the binding constraint and the
+state, so a dashboard can plot which constraint binds over time.
+"""
+
+from __future__ import annotations
+
+import math
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from powerbatch.control.controller import BINDINGS, CONSTRAINTS, Decision
+
+STATES: tuple[str, ...] = ("warmup", "enforce", "observe", "fail_closed")
+
+
+class ControlMetrics:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, states: tuple[str, ...] = STATES
+    ) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.states = states
+        self.power_w = Gauge("powerbatch_power_watts", "Measured power, 1-second mean", registry=r)
+        self.power_raw_w = Gauge(
+            "powerbatch_power_raw_watts", "Latest power sample, outliers removed", registry=r
+        )
+        self.predicted_w = Gauge(
+            "powerbatch_power_predicted_watts", "Model mean at the chosen batch", registry=r
+        )
+        self.predicted_upper_w = Gauge(
+            "powerbatch_power_predicted_upper_watts",
+            "Upper prediction bound at the chosen batch",
+            registry=r,
+        )
+        self.ceiling_w = Gauge("powerbatch_power_ceiling_watts", "Hard ceiling", registry=r)
+        self.target_w = Gauge(
+            "powerbatch_power_target_watts", "Ceiling less margin and multiplier", registry=r
+        )
+        self.energy_j = Gauge(
+            "powerbatch_energy_joules", "The sensor's cumulative energy counter", registry=r
+        )
+        self.sensor_ok = Gauge(
+            "powerbatch_sensor_ok", "1 while the power reading is trusted", registry=r
+        )
+        self.limit_requests = Gauge(
+            "powerbatch_limit_requests", "Batch limit (requests in flight)", ["kind"], registry=r
+        )
+        self.limit_kv_tokens = Gauge(
+            "powerbatch_limit_kv_tokens", "KV tokens in flight limit", ["kind"], registry=r
+        )
+        self.limit_prefill = Gauge(
+            "powerbatch_limit_prefill_tokens_per_second",
+            "Prefill pace (0 when not paced)",
+            registry=r,
+        )
+        self.multiplier = Gauge(
+            "powerbatch_multiplier",
+            "Lagrange multiplier per constraint",
+            ["constraint"],
+            registry=r,
+        )
+        self.binding = Gauge(
+            "powerbatch_binding_constraint",
+            "1 for the constraint setting the batch",
+            ["constraint"],
+            registry=r,
+        )
+        self.state = Gauge(
+            "powerbatch_controller_state", "1 for the controller's state", ["state"], registry=r
+        )
+        for c in CONSTRAINTS:
+            self.multiplier.labels(c)
+        for b in BINDINGS:
+            self.binding.labels(b)
+        for s in states:
+            self.state.labels(s)
+
+    def export_decision(
+        self, d: Decision, raw_w: float | None = None, energy_j: float | None = None
+    ) -> None:
+        """Set every gauge above from one tick's decision."""
+        self.power_w.set(d.power_w if d.power_w is not None else math.nan)
+        self.power_raw_w.set(raw_w if raw_w is not None else math.nan)
+        self.energy_j.set(energy_j if energy_j is not None else math.nan)
+        self.sensor_ok.set(0.0 if d.state == "fail_closed" else 1.0)
+        self.predicted_w.set(d.predicted_w)
+        self.predicted_upper_w.set(d.predicted_upper_w)
+        self.target_w.set(d.target_w)
+        for kind, limits in (("enforced", d.enforced), ("proposed", d.proposed)):
+            self.limit_requests.labels(kind).set(limits.max_requests)
+            self.limit_kv_tokens.labels(kind).set(limits.max_kv_tokens)
+        self.limit_prefill.set(d.proposed.prefill_tok_s or 0.0)
+        for c, v in d.multipliers.items():
+            self.multiplier.labels(c).set(v)
+        for b in BINDINGS:
+            self.binding.labels(b).set(1.0 if b == d.binding else 0.0)
+        for s in self.states:
+            self.state.labels(s).set(1.0 if s == d.state else 0.0)
