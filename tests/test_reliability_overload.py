@@ -265,5 +265,6 @@ def test_soak_counts_add_up() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
 def test_soak_long() -> None:
     run(_soak(180.0))

@@ -23,6 +23,7 @@ class ControlConfig:
     max_batch: int = 256  # never above the upstream's own --max-num-seqs
     initial_batch: int = 8
     safe_batch: int = 2  # where the batch goes when no power reading can be trusted
+    recover_s: float = 2.0  # good readings needed before leaving the safe batch
     max_kv_tokens: int = 2_000_000
     step_up_frac: float = 0.2  # largest growth of the batch per tick
     confidence: float = 0.95  # of the one-sided upper prediction bound

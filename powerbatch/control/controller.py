@@ -4,10 +4,13 @@ The seeds' framing: maximise work done subject to a power ceiling, a latency SLO
 pricing each constraint with a Lagrange multiplier that rises while it is violated and decays while
 it is slack. Concretely:
 
-* power: the learned model gives, along the current load's per-request shape, the largest batch
-  whose *upper* prediction bound stays under `ceiling - margin - λ_power`. λ_power (watts) is dual
-  ascent on the measured violation, so a model that is biased low is corrected by feedback.
-  A measured breach cuts the batch at once, without waiting for the model.
+* power: the meter says what the batch in flight draws now; the learned model says what a
+  step would change. The batch grows one bounded step while measured power, plus the model's
+  predicted increment, plus the upper bound of one reading's noise, stays under
+  `ceiling - margin - hysteresis - λ_power`; it may also jump to where the model's *upper*
+  prediction bound fits. Inside the dead band it holds; over the target it steps down.
+  λ_power (watts) is dual ascent on the measured violation, so a model biased low is corrected
+  by feedback. A measured breach cuts the batch at once, without waiting for the model.
 * latency: λ_latency rises while p95 time per output token is over its SLO and shrinks the batch
   multiplicatively; p95 TTFT over its SLO only speeds growth, because the ceiling always wins.
 * KV: λ_kv rises while the upstream's KV-cache usage is over target and shrinks the KV cap.
@@ -58,7 +61,7 @@ class Observation:
     """What the controller sees each tick; the caller smooths features like the power reading."""
 
     t_s: float
-    power_w: float | None  # smoothed measured power; None when there is no trustworthy reading
+    power_w: float | None  # measured 1-second power; None when there is no trustworthy reading
     sensor_ok: bool
     features: Features
     in_flight: int
@@ -106,6 +109,8 @@ class Controller:
         )
         self._demand: deque[tuple[float, int]] = deque()
         self._cut_until_s = -math.inf
+        self._good_since_s: float | None = None
+        self._failed_before = False
         self._grid = np.arange(config.min_batch, config.max_batch + 1, dtype=float)
         self.last: Decision | None = None
 
@@ -243,9 +248,24 @@ class Controller:
             self._t0 = obs.t_s
         warming = obs.t_s - self._t0 < cfg.warmup_s
 
-        if not obs.sensor_ok or obs.power_w is None or not math.isfinite(obs.power_w):
-            # Fail closed: no trustworthy watts, so no growth and a small batch until they return.
+        if obs.sensor_ok and obs.power_w is not None and math.isfinite(obs.power_w):
+            if self._good_since_s is None:
+                self._good_since_s = obs.t_s
+        else:
+            # Only a sensor that was good and went bad needs a hold-down when it returns;
+            # no reading yet at start-up is not a failure.
+            self._failed_before = self._failed_before or self._good_since_s is not None
+            self._good_since_s = None
+        recovering = (
+            self._failed_before
+            and self._good_since_s is not None
+            and obs.t_s - self._good_since_s < cfg.recover_s
+        )
+        if obs.power_w is None or self._good_since_s is None or recovering:
+            # Fail closed: no trustworthy watts, so no growth and a small batch until they have
+            # been back for `recover_s` (a flapping sensor must not flap the batch).
             self._batch = min(self._batch, cfg.safe_batch)
+            why = "sensor recovering" if recovering else (obs.sensor_error or "unknown")
             limits = Limits(self._batch, self._kv_limit(self._batch), cfg.min_prefill_tok_s)
             return self._decide(
                 obs,
@@ -255,7 +275,7 @@ class Controller:
                 math.nan,
                 math.nan,
                 math.nan,
-                reason=f"no trustworthy power reading ({obs.sensor_error or 'unknown'}); "
+                reason=f"no trustworthy power reading ({why}); "
                 f"batch held at safe limit {cfg.safe_batch}",
             )
 

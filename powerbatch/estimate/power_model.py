@@ -187,7 +187,7 @@ class PowerModel:
     def predict_design(self, x: NDArray[np.float64]) -> Prediction:
         """`predict` for rows already in design form (see features.design_matrix)."""
         result = self._fit()
-        pred = result.get_prediction(x, weights=np.ones(len(x)))
+        pred = result.get_prediction(x, weights=1.0)  # a fresh reading: full weight
         mean = np.asarray(pred.predicted_mean)
         # statsmodels' parameter uncertainty, rescaled to the noise of real readings.
         se_mean = np.asarray(pred.se_mean) * math.sqrt(self._noise_var / max(result.scale, 1e-12))

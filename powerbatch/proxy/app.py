@@ -187,11 +187,6 @@ class ProxyHandlers:
         except BadRequest as exc:
             m.requests.labels(priority, "bad_request").inc()
             return error_response(400, str(exc), param=exc.param, code="invalid_request")
-        except (ValueError, RecursionError) as exc:  # e.g. a 5000-digit number, nesting too deep
-            m.requests.labels(priority, "bad_request").inc()
-            return error_response(
-                400, f"request body is not acceptable JSON: {exc}", code="invalid_request"
-            )
         try:
             slot = await self.gov.queue.admit(priority, info.kv_tokens, info.prompt_tokens)
         except Rejected as rej:

@@ -160,10 +160,14 @@ class Governor:
             await asyncio.sleep(self.scrape_interval_s)
 
     def _fail_safe(self) -> None:
+        """A tick raised: hold the safe batch and say so, as a sensor failure would."""
         cfg = self.controller.config
         limits = self.queue.limits
         if cfg.mode == "enforce" and limits.max_requests > cfg.safe_batch:
             self.queue.set_limits(Limits(cfg.safe_batch, limits.max_kv_tokens, None))
+        self.metrics.sensor_ok.set(0.0)
+        for s in self.metrics.states:
+            self.metrics.state.labels(s).set(1.0 if s == "fail_closed" else 0.0)
 
     def features(self, t_s: float) -> Features:
         # The proxy's own in-flight count is exact and current; the upstream's running count is

@@ -61,8 +61,15 @@ def parse_request(
 ) -> RequestInfo:
     """Validate the fields a decision needs; raise BadRequest with an OpenAI-style param."""
     try:
+        return _parse(raw, chat, default_max_tokens, max_tokens_limit)
+    except RecursionError as exc:  # content nested deeper than any real message
+        raise BadRequest("request body is nested too deeply") from exc
+
+
+def _parse(raw: bytes, chat: bool, default_max_tokens: int, max_tokens_limit: int) -> RequestInfo:
+    try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # also a 5,000-digit number, deep nesting
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
