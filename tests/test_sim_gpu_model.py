@@ -1,4 +1,4 @@
-"""The GPU model against the published figures in /work/shared/reference/gpu-power-facts.md."""
+"""The GPU model against the published figures in shared/reference/gpu-power-facts.md."""
 
 from __future__ import annotations
 

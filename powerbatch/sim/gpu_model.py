@@ -1,6 +1,6 @@
 """Power and step-time model of a GPU set serving an LLM; pure functions, no I/O.
 
-Every number here is calibrated to /work/shared/reference/gpu-power-facts.md ("the facts").
+Every number here is calibrated to shared/reference/gpu-power-facts.md ("the facts").
 Where the facts are silent, the docstring that makes a choice names it a modelling choice.
 
 Curves use the logistic form of the ML.ENERGY / GPU-to-Grid fits (facts, first table):
