@@ -20,7 +20,7 @@ import aiohttp
 from rich.console import Console
 from rich.table import Table
 
-from powerbatch.cli.report import RunData, plot_runs, summarize
+from powerbatch.cli.report import RunData, plot_runs, plot_summary, summarize
 from powerbatch.cli.stack import Stack
 from powerbatch.load import PROFILES, LoadProfile, run_load
 
@@ -277,7 +277,8 @@ async def _bench(a: argparse.Namespace) -> int:
         )
     )
     png = plot_runs(first_runs, a.out / "power.png", title)
-    console.print(f"wrote {a.out / 'results.json'} and {png}")
+    summary_png = plot_summary(per_arm, a.ceiling_w, a.out / "summary.png", title)
+    console.print(f"wrote {a.out / 'results.json'}, {png} and {summary_png}")
     return 0
 
 

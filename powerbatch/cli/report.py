@@ -159,3 +159,45 @@ def plot_runs(runs: list[RunData], path: Path, title: str) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_summary(
+    runs: dict[str, list[dict[str, Any]]], ceiling_w: float, path: Path, title: str
+) -> Path:
+    """Power distribution, p95 TTFT per class, and J per token, per arm over all repeats."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(runs)
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))
+    for arm in arms:
+        p = np.concatenate([np.asarray(s["power_1s_w"], float) for s in runs[arm]])
+        ax1.hist(p, bins=40, histtype="step", lw=1.5, label=arm, density=True)
+    ax1.axvline(ceiling_w, color="red", ls="--", label="ceiling")
+    ax1.set_xlabel("1-second power, W")
+    ax1.set_title("power distribution")
+    ax1.legend(fontsize=8)
+    width = 0.8 / len(PRIORITIES)
+    x = np.arange(len(arms))
+    for i, prio in enumerate(PRIORITIES):
+        vals = [
+            np.mean([s["latency"][prio]["ttft_p95_s"] or np.nan for s in runs[a]]) for a in arms
+        ]
+        ax2.bar(x + i * width, vals, width, label=prio)
+    ax2.set_xticks(x + width, arms)
+    ax2.set_ylabel("s")
+    ax2.set_yscale("log")
+    ax2.set_title("p95 time to first token, by priority")
+    ax2.legend(fontsize=8)
+    jpt = [[s["j_per_token"] for s in runs[a] if s["j_per_token"]] for a in arms]
+    ax3.bar(x, [np.mean(v) for v in jpt], yerr=[np.std(v) for v in jpt], capsize=4)
+    ax3.set_xticks(x, arms)
+    ax3.set_ylabel("J per output token")
+    ax3.set_title("energy per output token")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
