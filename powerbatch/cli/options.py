@@ -69,7 +69,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("initial_batch", int, 8, "batch limit during warm-up"),
     Option("safe_batch", int, 2, "batch limit while no power reading can be trusted"),
     Option("max_kv_tokens", int, 2_000_000, "hard cap on estimated KV tokens in flight"),
-    Option("margin_w", float, None, "stay this far under the ceiling (default 3%)"),
+    Option("margin_w", float, None, "stay this far under the ceiling (default 2%)"),
     Option("confidence", float, 0.95, "confidence of the upper prediction bound"),
     Option("ttft_slo_s", float, 2.0, "p95 time-to-first-token SLO"),
     Option("tpot_slo_s", float, 0.1, "p95 time-per-output-token SLO"),

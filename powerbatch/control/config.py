@@ -15,8 +15,8 @@ class ControlConfig:
     """Everything the decision each tick depends on. Watts are for the whole GPU set."""
 
     ceiling_w: float
-    margin_w: float | None = None  # default: 3% of the ceiling
-    hysteresis_w: float | None = None  # default: 2% of the ceiling; the dead band for growing
+    margin_w: float | None = None  # default: 2% of the ceiling
+    hysteresis_w: float | None = None  # default: 1% of the ceiling; the dead band for growing
     max_w: float | None = None  # the set's power limit (TDP); default ceiling / 0.7
     tick_hz: float = 5.0
     min_batch: int = 1
@@ -61,8 +61,8 @@ class ControlConfig:
 
     @property
     def margin(self) -> float:
-        return self.margin_w if self.margin_w is not None else 0.03 * self.ceiling_w
+        return self.margin_w if self.margin_w is not None else 0.02 * self.ceiling_w
 
     @property
     def hysteresis(self) -> float:
-        return self.hysteresis_w if self.hysteresis_w is not None else 0.02 * self.ceiling_w
+        return self.hysteresis_w if self.hysteresis_w is not None else 0.01 * self.ceiling_w

@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy.stats import t as student_t
 
 from powerbatch.control.config import ControlConfig
 from powerbatch.control.latency import LatencySnapshot
@@ -87,6 +88,10 @@ class Decision:
     reason: str = ""
 
 
+def stats_t_quantile(confidence: float, df: int) -> float:
+    return float(student_t.ppf(confidence, df))
+
+
 class Controller:
     """Stateful across ticks; call `tick` at `config.tick_hz` with the latest observation."""
 
@@ -109,6 +114,7 @@ class Controller:
         )
         self._demand: deque[tuple[float, int]] = deque()
         self._cut_until_s = -math.inf
+        self._recent_power: deque[tuple[float, float]] = deque()
         self._good_since_s: float | None = None
         self._failed_before = False
         self._grid = np.arange(config.min_batch, config.max_batch + 1, dtype=float)
@@ -170,7 +176,9 @@ class Controller:
             return float(mean_w[i])
 
         # One fresh reading's spread: what separates a mean from a second over the ceiling.
-        noise_w = self.model.noise_quantile_w()
+        # The meter's own recent spread is the better measure where it is smaller than the
+        # model's residuals (which also hold model misfit); the model's covers a quiet meter.
+        noise_w = min(self.model.noise_quantile_w(), self._meter_spread_w())
         here_w = mean_at(anchor_batch)
 
         def anchored_upper(n: int) -> float:
@@ -190,6 +198,14 @@ class Controller:
         n_grow = self._largest_batch_under(upper_w, room_w)
         probe = current + step
         return max(n_grow, probe if anchored_upper(probe) <= room_w else current)
+
+    def _meter_spread_w(self) -> float:
+        """The upper quantile of the last ~10 s of 1-second power around its mean."""
+        p = self._recent_power
+        if len(p) < 20:
+            return math.inf
+        values = np.fromiter((w for _, w in p), float, len(p))
+        return float(stats_t_quantile(self.config.confidence, len(p) - 1) * values.std(ddof=1))
 
     def _recent_peak_demand(self, t_s: float, demand: int) -> int:
         self._demand.append((t_s, demand))
@@ -281,6 +297,9 @@ class Controller:
 
         power_w = obs.power_w
         self.model.observe(obs.t_s, obs.features, power_w)
+        self._recent_power.append((obs.t_s, power_w))
+        while self._recent_power[0][0] < obs.t_s - 10.0:
+            self._recent_power.popleft()
         self._learn_shape(obs.features)
         goal_w = cfg.ceiling_w - cfg.margin
         if not warming:
