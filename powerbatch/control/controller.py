@@ -344,8 +344,8 @@ class Controller:
             new = cap if cap < current else min(cap, current + step)
         self._batch = max(cfg.min_batch, min(new, cfg.max_batch))
 
-        if binding == "demand" and obs.queued == 0:
-            binding = "none"
+        if obs.queued == 0 and not emergency and obs.in_flight < self._batch:
+            binding = "none"  # nothing waits: no constraint is holding work back now
         if warming:
             state, binding = "warmup", "warmup" if not emergency else binding
         else:
