@@ -152,38 +152,26 @@ class _PowerbatchMixin:
         if pb is not None:
             pb.stop()
 
+    # The three overrides, written once: the mixin comes first in each flavour's bases, so
+    # super() is vLLM's Scheduler or AsyncScheduler.
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pb_setup()
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._pb_before()
+        out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        self._pb_after(out)
+        return out
+
+    def shutdown(self) -> None:
+        self._pb_shutdown()
+        super().shutdown()  # type: ignore[misc]
+
 
 class PowerbatchScheduler(_PowerbatchMixin, Scheduler):
     """vLLM's synchronous V1 `Scheduler` under a power ceiling."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._pb_setup()
-
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        self._pb_before()
-        out = super().schedule(*args, **kwargs)
-        self._pb_after(out)
-        return out
-
-    def shutdown(self) -> None:
-        self._pb_shutdown()
-        super().shutdown()
-
 
 class PowerbatchAsyncScheduler(_PowerbatchMixin, AsyncScheduler):
     """vLLM's `AsyncScheduler` (GPU deployments schedule asynchronously) under a power ceiling."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._pb_setup()
-
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        self._pb_before()
-        out = super().schedule(*args, **kwargs)
-        self._pb_after(out)
-        return out
-
-    def shutdown(self) -> None:
-        self._pb_shutdown()
-        super().shutdown()
