@@ -23,6 +23,7 @@ no clocks, no I/O, so the proxy, `powerbatch replay` and the vLLM plugin drive t
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -88,7 +89,9 @@ class Decision:
     reason: str = ""
 
 
+@functools.lru_cache(maxsize=256)
 def stats_t_quantile(confidence: float, df: int) -> float:
+    """Cached: the tick asks for the same few quantiles every 200 ms."""
     return float(student_t.ppf(confidence, df))
 
 
