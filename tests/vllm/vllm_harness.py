@@ -29,6 +29,7 @@ VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
 MODEL = VENV / "tiny-llama"
 OUT = ROOT / "out" / "vllm-plugin"
 SCHEDULER = "powerbatch_vllm.scheduler.PowerbatchScheduler"
+ASYNC_SCHEDULER = "powerbatch_vllm.scheduler.PowerbatchAsyncScheduler"
 MAX_NUM_SEQS = 64
 KV_BLOCKS = 512  # enough for the load below, small enough for usage to move
 # Tokens per streamed chunk. At vLLM's default (1), parsing a chunk per token in the clients and
@@ -85,6 +86,35 @@ def _wait_healthy(server: VllmServer, timeout_s: float) -> None:
     raise RuntimeError(f"vllm serve not healthy in {timeout_s:.0f} s:\n{server.log_tail()}")
 
 
+def pin_engine(server: VllmServer) -> set[int] | None:
+    """Keep the EngineCore on the cores vLLM bound its worker's OpenMP threads to.
+
+    vLLM's CPU build binds the worker to some cores and reserves the rest for the front end
+    (on 2 cores: compute on one, one reserved). The EngineCore process is left floating, and
+    between steps it spins on the shared-memory queue (`sched_yield`, up to 1 s after each
+    read), so on 2 cores it takes most of the reserved core from the API server and this
+    test's clients: a decode-heavy load then starves in the front end while the engine idles.
+    Sharing the worker's core costs the engine little (it waits for the worker each step
+    anyway). Returns the cores used, or None when there was nothing to pin.
+    """
+    import psutil
+
+    procs = psutil.Process(server.proc.pid).children(recursive=True)
+    names = {p: p.name() for p in procs}
+    workers = [p for p, n in names.items() if "Worker" in n]
+    engines = [p for p, n in names.items() if "EngineCore" in n]
+    if not workers or not engines:
+        return None
+    cores = set(os.sched_getaffinity(workers[0].pid))
+    if len(cores) >= len(os.sched_getaffinity(0)):
+        return None  # the worker is not bound: leave the OS to place things
+    for engine in engines:
+        for thread in engine.threads():  # affinity is per thread on Linux
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(thread.id, cores)
+    return cores
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is not None:
         return
@@ -99,8 +129,10 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def vllm_server(name: str, plugin_env: dict[str, str]) -> Iterator[VllmServer]:
-    """`vllm serve` of the tiny model with the powerbatch scheduler and `plugin_env`."""
+def vllm_server(
+    name: str, plugin_env: dict[str, str], scheduler: str = SCHEDULER
+) -> Iterator[VllmServer]:
+    """`vllm serve` of the tiny model with a powerbatch `scheduler` class and `plugin_env`."""
     _require_vllm()
     OUT.mkdir(parents=True, exist_ok=True)
     port, plugin_port = free_port(), free_port()
@@ -136,7 +168,7 @@ def vllm_server(name: str, plugin_env: dict[str, str]) -> Iterator[VllmServer]:
         "--stream-interval",
         str(STREAM_INTERVAL),
         "--scheduler-cls",
-        SCHEDULER,
+        scheduler,
     ]
     log_path = OUT / f"{name}-vllm.log"
     with log_path.open("wb") as log:
@@ -150,6 +182,7 @@ def vllm_server(name: str, plugin_env: dict[str, str]) -> Iterator[VllmServer]:
         t0 = time.monotonic()
         _wait_healthy(server, START_TIMEOUT_S)
         print(f"\n[{name}] vllm serve healthy in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        print(f"[{name}] EngineCore pinned to cores {pin_engine(server)}", file=sys.stderr)
         yield server
     finally:
         _stop(proc)
