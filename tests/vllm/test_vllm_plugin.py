@@ -4,7 +4,7 @@ The plant is vLLM's own engine: the powerbatch scheduler counts each step's exac
 tokens and KV blocks, and the simulator's H100 power model turns them into watts (there is no
 GPU here). Phase one offers more long-prompt work than the ceiling allows at vLLM's configured
 batch; phase two offers less, decode-heavy work. The test reads vLLM's own /metrics and the
-plugin's, and writes the traces to out/vllm-plugin/.
+plugin's, and writes the traces to out/vllm-plugin/. A third test runs the async flavour.
 
 Text from a randomly initialised model is junk, so it asserts on token counts and metrics only.
 """
