@@ -135,6 +135,38 @@ def test_step_stats_windows() -> None:
     assert s.snapshot()["prefill_tokens_total"] == 160
 
 
+def test_step_stats_latency() -> None:
+    s = StepStats()
+    t = 100.0
+    for i in range(20):  # decode steps 25 ms apart: every running request's time per token
+        s.record(
+            running=4,
+            waiting=0,
+            decode_reqs=4,
+            decode_tokens=4,
+            prefill_tokens=0,
+            kv_blocks_used=5,
+            t_s=t + 0.025 * i,
+        )
+    t_end = t + 0.025 * 19
+    # A step of prefill only, long after: no decode waited on it, so no TPOT sample.
+    s.record(
+        running=1,
+        waiting=0,
+        decode_reqs=0,
+        decode_tokens=0,
+        prefill_tokens=500,
+        kv_blocks_used=5,
+        t_s=t_end + 0.9,
+    )
+    s.record_first_tokens([0.2, 0.3, 0.4, 0.5, 3.0, -1.0], t_s=t_end + 1.0)  # -1: clock skew
+    lat = s.latency(t_end + 1.0)
+    assert lat.tpot_p95_s == pytest.approx(0.025)
+    assert lat.ttft_p95_s is not None and 2.0 < lat.ttft_p95_s <= 3.0
+    assert lat.samples == 5
+    assert s.latency(t_end + 60.0).ttft_p95_s is None  # out of the window
+
+
 # -- the control thread's tick, driven by hand ----------------------------------------------
 
 
@@ -184,6 +216,37 @@ def test_over_the_ceiling_shrinks_the_engine_limits() -> None:
     status = ct.status()
     assert status["limits"]["engine"]["max_active_reqs"] == ct.limits.max_active_reqs
     assert status["limits"]["configured"]["max_active_reqs"] == 64
+
+
+def _drive_steps(ct: ControlThread, ticks: int, running: int, step_s: float) -> None:
+    """Decode steps `step_s` apart for `ticks` ticks of 0.2 s: TPOT is `step_s`."""
+    t = time.monotonic()
+    steps = round(0.2 / step_s)
+    for i in range(ticks):
+        for k in range(steps):
+            ct.stats.record(
+                running=running,
+                waiting=40,
+                decode_reqs=running,
+                decode_tokens=running,
+                prefill_tokens=0,
+                kv_blocks_used=100,
+                t_s=t + i * 0.2 + k * step_s,
+            )
+        asyncio.run(ct.monitor.poll_once())
+        ct.tick(t + (i + 1) * 0.2)
+
+
+def test_slow_decode_steps_shrink_the_batch_under_the_ceiling() -> None:
+    slow = _thread("enforce", Watts(300.0))  # far under the 500 W ceiling
+    _drive_steps(slow, 15, running=32, step_s=0.2)  # TPOT 0.2 s against the 0.1 s SLO
+    fast = _thread("enforce", Watts(300.0))
+    _drive_steps(fast, 15, running=32, step_s=0.02)
+    assert slow.last is not None and fast.last is not None
+    assert slow.last.binding == "latency" and slow.last.multipliers["latency"] > 0
+    assert slow.limits.max_active_reqs < 32 <= fast.limits.max_active_reqs
+    status = slow.status()["latency"]
+    assert status["tpot_p95_s"] == pytest.approx(0.2) and status["tpot_slo_s"] == 0.1
 
 
 def test_observe_mode_leaves_vllm_alone() -> None:

@@ -11,6 +11,7 @@ import math
 from prometheus_client import CollectorRegistry, Gauge
 
 from powerbatch.control.controller import BINDINGS, CONSTRAINTS, Decision
+from powerbatch.control.latency import LatencySnapshot
 
 STATES: tuple[str, ...] = ("warmup", "enforce", "observe", "fail_closed")
 
@@ -69,6 +70,10 @@ class ControlMetrics:
         self.state = Gauge(
             "powerbatch_controller_state", "1 for the controller's state", ["state"], registry=r
         )
+        self.latency_p95_s = Gauge(
+            "powerbatch_latency_p95_seconds", "Sliding-window p95", ["metric"], registry=r
+        )
+        self.slo_s = Gauge("powerbatch_slo_seconds", "Configured SLO", ["metric"], registry=r)
         for c in CONSTRAINTS:
             self.multiplier.labels(c)
         for b in BINDINGS:
@@ -97,3 +102,10 @@ class ControlMetrics:
             self.binding.labels(b).set(1.0 if b == d.binding else 0.0)
         for s in self.states:
             self.state.labels(s).set(1.0 if s == d.state else 0.0)
+
+    def export_latency(self, lat: LatencySnapshot | None) -> None:
+        """The p95s the latency constraint sees (NaN while the window holds too few)."""
+        ttft = lat.ttft_p95_s if lat else None
+        tpot = lat.tpot_p95_s if lat else None
+        self.latency_p95_s.labels("ttft").set(math.nan if ttft is None else ttft)
+        self.latency_p95_s.labels("tpot").set(math.nan if tpot is None else tpot)

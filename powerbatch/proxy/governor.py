@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -238,13 +237,7 @@ class Governor:
         m.kv_in_flight.set(self.queue.kv_in_flight)
         for p, n in self.queue.queued_by_class().items():
             m.queue_length.labels(p).set(n)
-        lat = obs.latency
-        m.latency_p95_s.labels("ttft").set(
-            lat.ttft_p95_s if lat and lat.ttft_p95_s is not None else math.nan
-        )
-        m.latency_p95_s.labels("tpot").set(
-            lat.tpot_p95_s if lat and lat.tpot_p95_s is not None else math.nan
-        )
+        m.export_latency(obs.latency)
 
     def trace_rows(self) -> list[TraceRow]:
         """The ticks as a replayable trace (see powerbatch.telemetry.trace)."""

@@ -24,10 +24,6 @@ class ProxyMetrics(ControlMetrics):
         self.queue_length = Gauge(
             "powerbatch_queue_length", "Requests waiting", ["priority"], registry=r
         )
-        self.latency_p95_s = Gauge(
-            "powerbatch_latency_p95_seconds", "Sliding-window p95", ["metric"], registry=r
-        )
-        self.slo_s = Gauge("powerbatch_slo_seconds", "Configured SLO", ["metric"], registry=r)
         self.requests = Counter(
             "powerbatch_requests",
             "Requests answered, by outcome",

@@ -187,6 +187,8 @@ def flatten(rows: list[dict[str, Any]], proxy: bool) -> list[dict[str, Any]]:
                 "proxy_queued": (
                     sum(x for _, x in ctl.get("powerbatch_queue_length", [])) if proxy else None
                 ),
+                "ttft_p95_s": value(ctl, "powerbatch_latency_p95_seconds", metric="ttft"),
+                "tpot_p95_s": value(ctl, "powerbatch_latency_p95_seconds", metric="tpot"),
                 "binding": one_hot(ctl, "powerbatch_binding_constraint", "constraint"),
                 "state": one_hot(ctl, "powerbatch_controller_state", "state"),
             }
@@ -195,6 +197,8 @@ def flatten(rows: list[dict[str, Any]], proxy: bool) -> list[dict[str, Any]]:
 
 
 _LATENCIES = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
     "vllm:e2e_request_latency_seconds",
     "vllm:request_queue_time_seconds",
     "vllm:request_inference_time_seconds",
@@ -257,6 +261,8 @@ def report(
                     "limit_requests",
                     "engine_limit_step_tokens",
                     "vllm_kv_usage",
+                    "ttft_p95_s",
+                    "tpot_p95_s",
                 )
             },
         }
@@ -353,6 +359,14 @@ def test_scheduler_plugin_holds_ceiling_in_real_vllm() -> None:
         assert med(light, "limit_requests") > med(heavy, "limit_requests")
         assert med(light, "vllm_waiting") == 0
         assert p95(light, "power_w") <= CEILING_W
+
+        # Latency measured inside the engine agrees with vLLM's own (API-server side) figures:
+        # a p95 at least about the mean, and not far above it.
+        own = vllm_latency(sampler.rows, HEAVY.name)
+        ttft, itl = own["time_to_first_token"], own["inter_token_latency"]
+        assert ttft is not None and itl is not None, own
+        assert 0.8 * ttft <= med(heavy, "ttft_p95_s") <= 3.0 * ttft + 0.5, (ttft, own)
+        assert 0.5 * itl <= med(heavy, "tpot_p95_s") <= 5.0 * itl + 0.05, (itl, own)
 
         status = json.loads(_get(server.plugin_url + "/status"))
         assert status["power"]["source"] == "model"

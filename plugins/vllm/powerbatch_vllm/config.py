@@ -45,6 +45,10 @@ _HELP: dict[str, str] = {
     "safe_batch": "running-set limit while no power reading can be trusted",
     "confidence": "confidence of the power model's upper prediction bound",
     "kv_usage_target": "KV-cache usage above this shrinks the KV cap",
+    "ttft_slo_s": "p95 time to first token (arrival in vLLM to first token) over which "
+    "growth speeds up where power allows",
+    "tpot_slo_s": "p95 time per output token (interval between decode steps) over which "
+    "the batch shrinks",
     "prefill_pacing": "pace prefill through the step's token budget",
     "min_step_tokens": "the step's token budget never drops below decodes plus this",
     "kv_cap": "cap the KV-cache blocks new requests may bring in",
@@ -78,6 +82,8 @@ class PluginConfig:
     safe_batch: int = 2
     confidence: float = 0.95
     kv_usage_target: float = 0.9
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.1
     prefill_pacing: bool = True
     min_step_tokens: int = 32
     kv_cap: bool = True
@@ -124,6 +130,8 @@ class PluginConfig:
             warmup_s=self.warmup_s,
             mode="observe" if self.mode == "observe" else "enforce",
             kv_usage_target=self.kv_usage_target,
+            ttft_slo_s=self.ttft_slo_s,
+            tpot_slo_s=self.tpot_slo_s,
             prefill_pacing=self.prefill_pacing,
         )
 

@@ -119,6 +119,8 @@ class ControlThread:
         self._t0 = time.monotonic()
         m = self.metrics
         m.ceiling_w.set(cfg.ceiling_w)
+        m.slo_s.labels("ttft").set(self.control.ttft_slo_s)
+        m.slo_s.labels("tpot").set(self.control.tpot_slo_s)
         m.engine_configured.labels("active_requests").set(caps.max_active_reqs)
         m.engine_configured.labels("step_tokens").set(caps.max_step_tokens)
         m.engine_configured.labels("kv_blocks").set(caps.num_kv_blocks)
@@ -216,6 +218,7 @@ class ControlThread:
             features=self.features(t_s, snap),
             in_flight=int(snap["running"]),
             queued=int(snap["waiting"]),
+            latency=self.stats.latency(t_s),
             kv_cache_usage=snap["kv_blocks_used"] / max(caps.num_kv_blocks, 1),
         )
         d = self.controller.tick(obs)
@@ -231,6 +234,7 @@ class ControlThread:
                 cap_kv=self.cfg.kv_cap,
             )
         self._export(d, reading.raw_w, snap)
+        self.metrics.export_latency(obs.latency)
         self.history.append(self._row(t_s, d, reading.raw_w, snap))
         return d
 
@@ -291,6 +295,7 @@ class ControlThread:
         d, lim, caps = self.last, self.limits, self.caps
         snap = self.stats.snapshot()
         reading = self.monitor.snapshot()
+        lat = self.stats.latency(time.monotonic())
         return {
             "state": d.state if d else "starting",
             "mode": self.cfg.mode,
@@ -330,6 +335,13 @@ class ControlThread:
                 },
             },
             "engine": snap,
+            "latency": {
+                "ttft_p95_s": lat.ttft_p95_s,
+                "tpot_p95_s": lat.tpot_p95_s,
+                "samples": lat.samples,
+                "ttft_slo_s": self.control.ttft_slo_s,
+                "tpot_slo_s": self.control.tpot_slo_s,
+            },
             "multipliers": d.multipliers if d else {},
         }
 

@@ -13,7 +13,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from powerbatch.control import Limits
+from powerbatch.control import LatencySnapshot, LatencyWindow, Limits
+
+# vLLM's priorities are integers with no names; the controller's TTFT p95 counts these classes.
+LATENCY_CLASS = "normal"
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,9 +102,14 @@ class StepStats:
     and the controller (cumulative counters, turned into rates there).
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, latency_window_s: float = 30.0
+    ) -> None:
         self._lock = threading.Lock()
         self._clock = clock
+        # TTFT per request (arrival to first token) and TPOT per decode step (the interval
+        # between busy steps is every running decode's time to its next token).
+        self._latency = LatencyWindow(latency_window_s)
         self.steps_total = 0
         self.prefill_tokens_total = 0
         self.decode_tokens_total = 0
@@ -153,7 +161,21 @@ class StepStats:
                     self.step_s = (
                         dt if self.step_s is None else self.step_s + 0.1 * (dt - self.step_s)
                     )
+                    if decode_reqs:
+                        self._latency.record(now, LATENCY_CLASS, None, dt)
             self._last_busy_t = now
+
+    def record_first_tokens(self, ttfts_s: list[float], t_s: float | None = None) -> None:
+        """Times to first token of requests whose first token the last step produced."""
+        now = self._clock() if t_s is None else t_s
+        with self._lock:
+            for ttft in ttfts_s:
+                if ttft >= 0.0:
+                    self._latency.record(now, LATENCY_CLASS, ttft, None)
+
+    def latency(self, t_s: float) -> LatencySnapshot:
+        with self._lock:
+            return self._latency.snapshot(t_s)
 
     def take_window(self) -> tuple[float, float, float]:
         """Means since the last call: (decode batch, prefill tokens per step, KV blocks used).

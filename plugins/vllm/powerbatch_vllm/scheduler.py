@@ -20,6 +20,7 @@ would schedule asynchronously (GPU deployments); the plain one where it would no
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from powerbatch_vllm.compat import check_vllm_version, installed_vllm_version
@@ -52,6 +53,9 @@ class _PowerbatchMixin:
     _pb_stats: StepStats
     _pb_kv_cap: int
     _pb_committed: int  # KV tokens the running set will hold at most: prompt + max_tokens
+    _pb_prefilling: dict[str, Any]  # scheduled requests still without a first token
+    _pb_first_token_arrivals: list[float]  # arrival times of those the last step finished
+    _pb_first_token_sched_t: float  # when that step was scheduled (wall clock)
 
     def _pb_setup(self) -> None:
         s: Any = self
@@ -75,6 +79,9 @@ class _PowerbatchMixin:
         self._pb_stats = StepStats()
         self._pb_kv_cap = self._pb_caps.num_kv_blocks
         self._pb_committed = 0
+        self._pb_prefilling = {}
+        self._pb_first_token_arrivals = []
+        self._pb_first_token_sched_t = 0.0
         parallel = s.vllm_config.parallel_config
         dp_rank = int(getattr(parallel, "data_parallel_index", parallel.data_parallel_rank) or 0)
         self._pb = ControlThread(cfg, self._pb_caps, self._pb_stats, dp_rank=dp_rank)
@@ -120,6 +127,16 @@ class _PowerbatchMixin:
         s.max_num_active_reqs = lim.max_active_reqs
         s.max_num_scheduled_tokens = lim.step_tokens(self._pb_caps, len(s.running))
         self._pb_kv_cap = lim.max_kv_blocks
+        if self._pb_first_token_arrivals:
+            # The step that computed their last prompt token has run (with async scheduling,
+            # is running): its first token is out, or about to be, now. If the engine idled in
+            # between (nothing left to schedule), count one usual step, not the idle time.
+            now = time.time()  # vLLM stamps arrival_time with the wall clock
+            step_s = self._pb_stats.step_s
+            if step_s is not None:
+                now = min(now, self._pb_first_token_sched_t + 2.0 * step_s)
+            self._pb_stats.record_first_tokens([now - a for a in self._pb_first_token_arrivals])
+            self._pb_first_token_arrivals = []
 
     def _pb_after(self, out: Any) -> None:
         s: Any = self
@@ -135,6 +152,7 @@ class _PowerbatchMixin:
         # counts), not on blocks in use now: a cap on current use would lock in a low level,
         # since requests still in prefill hold few blocks.
         self._pb_committed = sum(r.num_prompt_tokens + r.max_tokens for r in s.running)
+        self._pb_track_first_tokens(out)
         running, waiting = s.get_request_counts()
         free = s.kv_cache_manager.block_pool.get_num_free_blocks()
         self._pb_stats.record(
@@ -146,6 +164,30 @@ class _PowerbatchMixin:
             kv_blocks_used=self._pb_caps.num_kv_blocks - free,
             kv_committed_tokens=self._pb_committed,
         )
+
+    def _pb_track_first_tokens(self, out: Any) -> None:
+        """Note requests whose prompt this step completes: their TTFT is known next step.
+
+        Only requests still in prefill are looked at (new ones join here), so the cost per
+        step is the number of prompts in flight, not the batch.
+        """
+        s: Any = self
+        for new in out.scheduled_new_reqs:
+            request = s.requests.get(new.req_id)
+            if request is not None and request.num_output_tokens == 0:
+                self._pb_prefilling[new.req_id] = request
+        if not self._pb_prefilling:
+            return
+        done = []
+        for req_id, request in self._pb_prefilling.items():
+            if request.is_finished():
+                done.append(req_id)
+            elif request.num_computed_tokens >= request.num_prompt_tokens:
+                self._pb_first_token_arrivals.append(request.arrival_time)
+                self._pb_first_token_sched_t = time.time()
+                done.append(req_id)
+        for req_id in done:
+            del self._pb_prefilling[req_id]
 
     def _pb_shutdown(self) -> None:
         pb = getattr(self, "_pb", None)
