@@ -191,20 +191,25 @@ def _thread(mode: str, watts: Watts) -> ControlThread:
     return ControlThread(cfg, CAPS, stats, source=watts)
 
 
-def _drive(ct: ControlThread, ticks: int, running: int) -> None:
+def _drive(
+    ct: ControlThread, ticks: int, running: int, step_s: float = 0.2, prefill_tokens: int = 64
+) -> None:
+    """Ticks of 0.2 s, each after the engine's steps in it, `step_s` apart (TPOT = `step_s`)."""
     t = time.monotonic()
+    steps = max(1, round(0.2 / step_s))
     for i in range(ticks):
-        ct.stats.record(
-            running=running,
-            waiting=40,
-            decode_reqs=running,
-            decode_tokens=running,
-            prefill_tokens=64,
-            kv_blocks_used=100,
-            t_s=t + i * 0.2,
-        )
+        for k in range(steps):
+            ct.stats.record(
+                running=running,
+                waiting=40,
+                decode_reqs=running,
+                decode_tokens=running,
+                prefill_tokens=prefill_tokens,
+                kv_blocks_used=100,
+                t_s=t + i * 0.2 + k * step_s,
+            )
         asyncio.run(ct.monitor.poll_once())
-        ct.tick(t + i * 0.2)
+        ct.tick(t + (i + 1) * 0.2)
 
 
 def test_over_the_ceiling_shrinks_the_engine_limits() -> None:
@@ -218,30 +223,11 @@ def test_over_the_ceiling_shrinks_the_engine_limits() -> None:
     assert status["limits"]["configured"]["max_active_reqs"] == 64
 
 
-def _drive_steps(ct: ControlThread, ticks: int, running: int, step_s: float) -> None:
-    """Decode steps `step_s` apart for `ticks` ticks of 0.2 s: TPOT is `step_s`."""
-    t = time.monotonic()
-    steps = round(0.2 / step_s)
-    for i in range(ticks):
-        for k in range(steps):
-            ct.stats.record(
-                running=running,
-                waiting=40,
-                decode_reqs=running,
-                decode_tokens=running,
-                prefill_tokens=0,
-                kv_blocks_used=100,
-                t_s=t + i * 0.2 + k * step_s,
-            )
-        asyncio.run(ct.monitor.poll_once())
-        ct.tick(t + (i + 1) * 0.2)
-
-
 def test_slow_decode_steps_shrink_the_batch_under_the_ceiling() -> None:
     slow = _thread("enforce", Watts(300.0))  # far under the 500 W ceiling
-    _drive_steps(slow, 15, running=32, step_s=0.2)  # TPOT 0.2 s against the 0.1 s SLO
+    _drive(slow, 15, running=32, step_s=0.2, prefill_tokens=0)  # TPOT 0.2 s against the 0.1 s SLO
     fast = _thread("enforce", Watts(300.0))
-    _drive_steps(fast, 15, running=32, step_s=0.02)
+    _drive(fast, 15, running=32, step_s=0.02, prefill_tokens=0)
     assert slow.last is not None and fast.last is not None
     assert slow.last.binding == "latency" and slow.last.multipliers["latency"] > 0
     assert slow.limits.max_active_reqs < 32 <= fast.limits.max_active_reqs
