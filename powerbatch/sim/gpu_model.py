@@ -11,7 +11,7 @@ Curves use the logistic form of the ML.ENERGY / GPU-to-Grid fits (facts, first t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -104,38 +104,32 @@ class GpuProfile:
 _LLAMA8B_PREFILL_TOK_S = 25_000.0  # 989e12 * 0.4 / (2 * 8e9) = 24,725
 _LLAMA70B_TP4_PREFILL_TOK_S = 11_000.0  # 4 * 989e12 * 0.4 / (2 * 70e9) = 11,303
 
+_H100_LLAMA8B = GpuProfile(
+    name="h100-llama8b",
+    num_gpus=1,
+    gpu_model_name="NVIDIA H100 80GB HBM3",
+    tdp_w_per_gpu=700.0,
+    dec_base_w=480.4,
+    dec_span_w=210.9,
+    dec_k=1.264,
+    dec_x0=5.46,
+    itl_base_s=0.008525,
+    itl_span_s=0.08748,
+    itl_k=1.081,
+    itl_x0=9.154,
+    prefill_tok_s=_LLAMA8B_PREFILL_TOK_S,
+)
+
 PROFILES: dict[str, GpuProfile] = {
-    "h100-llama8b": GpuProfile(
-        name="h100-llama8b",
-        num_gpus=1,
-        gpu_model_name="NVIDIA H100 80GB HBM3",
-        tdp_w_per_gpu=700.0,
-        dec_base_w=480.4,
-        dec_span_w=210.9,
-        dec_k=1.264,
-        dec_x0=5.46,
-        itl_base_s=0.008525,
-        itl_span_s=0.08748,
-        itl_k=1.081,
-        itl_x0=9.154,
-        prefill_tok_s=_LLAMA8B_PREFILL_TOK_S,
-    ),
+    "h100-llama8b": _H100_LLAMA8B,
     # "Illusion of Power Capping" regime (facts): decode alone draws 137-300 W on an H200; the
-    # shape in batch is borrowed from the 8B fit because the paper gives only the range.
-    "h200-decode-light": GpuProfile(
+    # shape in batch (and the latency) is borrowed from the 8B fit: the paper gives only the range.
+    "h200-decode-light": replace(
+        _H100_LLAMA8B,
         name="h200-decode-light",
-        num_gpus=1,
         gpu_model_name="NVIDIA H200",
-        tdp_w_per_gpu=700.0,
         dec_base_w=137.0,
         dec_span_w=163.0,
-        dec_k=1.264,
-        dec_x0=5.46,
-        itl_base_s=0.008525,
-        itl_span_s=0.08748,
-        itl_k=1.081,
-        itl_x0=9.154,
-        prefill_tok_s=_LLAMA8B_PREFILL_TOK_S,
     ),
     "h100x4-llama70b": GpuProfile(
         name="h100x4-llama70b",
