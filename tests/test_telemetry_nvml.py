@@ -17,7 +17,13 @@ import pynvml
 import pytest
 
 from powerbatch.errors import PowerLimitError, SensorReadError, SensorUnavailable
-from powerbatch.telemetry import NvmlPowerLimiter, NvmlPowerSource, PowerSource, nvml_available
+from powerbatch.telemetry import (
+    NvmlPowerLimiter,
+    NvmlPowerSource,
+    PowerSource,
+    default_power_limit_w,
+    nvml_available,
+)
 
 
 @dataclass
@@ -276,3 +282,35 @@ def test_limiter_errors_are_power_limit_errors() -> None:
         limiter.set_total_limit_w(500.0)
     with pytest.raises(PowerLimitError):
         limiter.set_total_limit_w(float("nan"))
+
+
+# --- the power model's prior from the device ---------------------------------------------------
+
+
+def test_default_power_limit_is_the_sets_tdp_read_only() -> None:
+    nvml = fake_nvml([FakeGpu(default_mw=700_000), FakeGpu(default_mw=400_000, limit_mw=300_000)])
+    assert default_power_limit_w([0, 1], nvml=nvml) == pytest.approx(1100.0)
+    assert "nvmlDeviceSetPowerManagementLimit" not in nvml.calls
+    assert nvml.calls.count("nvmlInit") == nvml.calls.count("nvmlShutdown")
+
+
+def test_default_power_limit_is_none_when_nvml_cannot_say() -> None:
+    assert (
+        default_power_limit_w(nvml=fake_nvml([], init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED))
+        is None
+    )
+    assert default_power_limit_w([3], nvml=fake_nvml([FakeGpu()])) is None  # no such GPU
+
+
+def test_serve_takes_the_prior_from_nvml_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    from powerbatch.cli import serve
+
+    nvml = fake_nvml([FakeGpu(default_mw=700_000)])
+    monkeypatch.setattr(
+        serve, "default_power_limit_w", lambda g: default_power_limit_w(g, nvml=nvml)
+    )
+    o = {"max_w": None, "power_source": "nvml", "gpus": "0", "ceiling_w": 600.0}
+    assert serve.prior_max_w(o) == pytest.approx(700.0)
+    assert serve.prior_max_w(o | {"max_w": 800.0}) == 800.0  # the operator's figure wins
+    assert serve.prior_max_w(o | {"ceiling_w": 900.0}) is None  # ceiling above the TDP
+    assert serve.prior_max_w(o | {"power_source": "dcgm"}) is None  # no device to ask

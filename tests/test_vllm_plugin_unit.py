@@ -73,6 +73,16 @@ def test_control_config_never_exceeds_vllm() -> None:
     assert cc.max_batch == 8 and cc.initial_batch == 8 and cc.max_kv_tokens == 1000
 
 
+def test_prior_takes_the_devices_power_limit_unless_told() -> None:
+    cfg = PluginConfig(ceiling_w=600)
+    assert cfg.control_config(engine_max_batch=64, max_kv_tokens=1, device_max_w=700).max_w == 700
+    assert cfg.control_config(engine_max_batch=64, max_kv_tokens=1).max_w is None
+    # The ceiling above the device's limit (it cannot bind), or the operator's own figure: as set.
+    assert cfg.control_config(engine_max_batch=64, max_kv_tokens=1, device_max_w=500).max_w is None
+    told = PluginConfig(ceiling_w=600, max_w=800)
+    assert told.control_config(engine_max_batch=64, max_kv_tokens=1, device_max_w=700).max_w == 800
+
+
 def test_reference_lists_every_setting() -> None:
     table = reference_markdown()
     assert "POWERBATCH_VLLM_CEILING_W" in table and "POWERBATCH_VLLM_TRACE_PATH" in table

@@ -44,7 +44,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "max_w",
         float,
         None,
-        "the GPU set's power limit (TDP), watts; prior only; default ceiling / 0.7",
+        "the GPU set's power limit (TDP), watts; prior only; default: NVML's default limit "
+        "with --power-source nvml, else ceiling / 0.7",
     ),
     Option("power_source", str, "dcgm", "where watts come from", ("nvml", "dcgm", "replay")),
     Option("gpus", str, "0", "comma-separated GPU indices (NVML) or gpu label values (dcgm)"),

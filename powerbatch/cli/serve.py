@@ -24,6 +24,7 @@ from powerbatch.telemetry import (
     PrometheusPowerSource,
     ReplayPowerSource,
     UpstreamMetricsScraper,
+    default_power_limit_w,
 )
 from powerbatch.telemetry.trace import write_trace
 
@@ -50,6 +51,24 @@ def _gpu_indices(o: dict[str, Any]) -> list[int]:
         return [int(g) for g in str(o["gpus"]).split(",") if g.strip()]
     except ValueError as exc:
         raise ConfigError(f"--gpus must be integers for NVML, got {o['gpus']!r}") from exc
+
+
+def prior_max_w(o: dict[str, Any]) -> float | None:
+    """--max-w, else with NVML the GPUs' own default power limit, else None (ceiling / 0.7)."""
+    if o.get("max_w") is not None or o["power_source"] != "nvml":
+        return o.get("max_w")
+    tdp_w = default_power_limit_w(_gpu_indices(o))
+    if tdp_w is None:
+        return None
+    if tdp_w < o["ceiling_w"]:
+        log.warning(
+            "the ceiling (%.0f W) is above the GPUs' power limit (%.0f W): it cannot bind",
+            o["ceiling_w"],
+            tdp_w,
+        )
+        return None
+    log.info("power model prior: the GPUs' default power limit, %.0f W (NVML)", tdp_w)
+    return tdp_w
 
 
 def proxy_settings(o: dict[str, Any]) -> ProxySettings:
@@ -136,7 +155,7 @@ def build(o: dict[str, Any]) -> tuple[web.Application, Governor]:
     cfg = ControlConfig(
         ceiling_w=o["ceiling_w"],
         margin_w=o["margin_w"],
-        max_w=o["max_w"],
+        max_w=prior_max_w(o),
         tick_hz=o["tick_hz"],
         min_batch=o["min_batch"],
         max_batch=o["max_batch"],

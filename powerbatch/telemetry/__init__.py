@@ -6,7 +6,12 @@ Importing this package never imports pynvml; only constructing an NVML object do
 from powerbatch.telemetry.base import PowerSample, PowerSource
 from powerbatch.telemetry.filters import Ewma, HampelFilter
 from powerbatch.telemetry.monitor import PowerMonitor, PowerReading
-from powerbatch.telemetry.nvml import NvmlPowerLimiter, NvmlPowerSource, nvml_available
+from powerbatch.telemetry.nvml import (
+    NvmlPowerLimiter,
+    NvmlPowerSource,
+    default_power_limit_w,
+    nvml_available,
+)
 from powerbatch.telemetry.prometheus import (
     PrometheusPowerSource,
     UpstreamMetricsScraper,
@@ -30,6 +35,7 @@ __all__ = [
     "TraceRow",
     "UpstreamMetricsScraper",
     "UpstreamSignals",
+    "default_power_limit_w",
     "nvml_available",
     "read_trace",
     "write_trace",

@@ -307,6 +307,26 @@ class NvmlPowerLimiter:
         self._devices.shutdown()
 
 
+def default_power_limit_w(
+    gpu_indices: Sequence[int] = (0,), *, nvml: ModuleType | None = None
+) -> float | None:
+    """The GPU set's factory power limit (its TDP), summed; None where NVML cannot say.
+
+    The power model's prior is scaled by this figure; read from the device, the prior starts
+    from the plant it runs on rather than from a guess made from the ceiling. Read only.
+    """
+    try:
+        limiter = NvmlPowerLimiter(gpu_indices, nvml=nvml)
+    except (PowerLimitError, ValueError):
+        return None
+    try:
+        return sum(limiter.default_limits_w())
+    except PowerLimitError:
+        return None
+    finally:
+        limiter.close()
+
+
 def nvml_available(nvml: ModuleType | None = None) -> bool:
     """True when NVML loads and sees at least one GPU; never raises."""
     try:

@@ -25,8 +25,9 @@ MODES = ("enforce", "observe")
 
 _HELP: dict[str, str] = {
     "ceiling_w": "hard power ceiling for the engine's GPU set, watts (required)",
-    "max_w": "the GPU set's power limit (TDP), watts; prior only; default ceiling / 0.7",
-    "margin_w": "stay this far under the ceiling; default 3% of it",
+    "max_w": "the GPU set's power limit (TDP), watts; prior only; default: NVML's default "
+    "limit with power_source=nvml, else ceiling / 0.7",
+    "margin_w": "stay this far under the ceiling; default 2% of it",
     "mode": "enforce the limits, or observe (decide and report, leave vLLM's limits alone)",
     "power_source": "where watts come from: nvml, dcgm (a dcgm-exporter URL) or model "
     "(the simulator's power model fed with the engine's real batch)",
@@ -108,18 +109,29 @@ class PluginConfig:
         # Fail at start-up, not on the first tick: build the controller config once here.
         self.control_config(engine_max_batch=self.max_batch or 256, max_kv_tokens=1)
 
+    def _max_w(self, device_max_w: float | None) -> float | None:
+        if self.max_w is not None or device_max_w is None or device_max_w < self.ceiling_w:
+            return self.max_w
+        return device_max_w
+
     @property
     def gpu_list(self) -> list[str]:
         return [g.strip() for g in self.gpus.split(",") if g.strip()]
 
-    def control_config(self, *, engine_max_batch: int, max_kv_tokens: int) -> ControlConfig:
-        """The shared controller's settings, bounded by what vLLM was configured with."""
+    def control_config(
+        self, *, engine_max_batch: int, max_kv_tokens: int, device_max_w: float | None = None
+    ) -> ControlConfig:
+        """The shared controller's settings, bounded by what vLLM was configured with.
+
+        `device_max_w` (the GPUs' own power limit, read through NVML) stands in for `max_w`
+        when that is not set and the ceiling is within it.
+        """
         max_batch = min(self.max_batch or engine_max_batch, engine_max_batch)
         initial = min(self.initial_batch, max_batch)
         return ControlConfig(
             ceiling_w=self.ceiling_w,
             margin_w=self.margin_w,
-            max_w=self.max_w,
+            max_w=self._max_w(device_max_w),
             tick_hz=self.tick_hz,
             min_batch=min(self.min_batch, initial),
             max_batch=max_batch,

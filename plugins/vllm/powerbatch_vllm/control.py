@@ -26,6 +26,7 @@ from powerbatch.telemetry import (
     PowerMonitor,
     PowerSource,
     PrometheusPowerSource,
+    default_power_limit_w,
 )
 from powerbatch_vllm.config import PluginConfig
 from powerbatch_vllm.engine import EngineCaps, EngineLimits, StepStats, engine_limits
@@ -87,8 +88,13 @@ class ControlThread:
         history_len: int = 36_000,
     ) -> None:
         self.cfg, self.caps, self.stats = cfg, caps, stats
+        device_max_w = None
+        if cfg.power_source == "nvml" and cfg.max_w is None and source is None:
+            device_max_w = default_power_limit_w([int(g) for g in cfg.gpu_list])
         self.control = cfg.control_config(
-            engine_max_batch=caps.max_active_reqs, max_kv_tokens=caps.kv_tokens
+            engine_max_batch=caps.max_active_reqs,
+            max_kv_tokens=caps.kv_tokens,
+            device_max_w=device_max_w,
         )
         self.controller = Controller(self.control)
         self.source = source or make_power_source(cfg, caps, stats)
