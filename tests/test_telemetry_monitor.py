@@ -218,3 +218,36 @@ def test_background_task_polls_and_stops() -> None:
     assert reads_at_stop >= 5
     assert reads_later == reads_at_stop
     assert reading.ok and reading.raw_w == 250.0
+
+
+def test_stop_lands_even_when_it_arrives_as_a_read_completes() -> None:
+    """A cancel arriving in the same instant a read finishes must still end the polling task.
+
+    Python 3.11's wait_for returned the read's result instead (the cancel was lost), so stop()
+    waited forever on a monitor that kept polling: a rare hang in the proxy's teardown.
+    """
+
+    class CancelOnRead:
+        name = "cancel-on-read"
+        task: asyncio.Task[None] | None = None
+
+        async def read(self) -> PowerSample:
+            if self.task is not None:
+                self.task.cancel()  # the stop request lands as this read completes
+            return PowerSample(t_s=0.0, power_w=100.0)
+
+        async def close(self) -> None:
+            pass
+
+    async def go() -> bool:
+        source = CancelOnRead()
+        monitor = PowerMonitor(source, interval_s=0.01)
+        await monitor.start()
+        source.task = monitor._task
+        await asyncio.sleep(0.1)
+        still_polling = monitor.running
+        source.task = None  # so that a lost cancel does not hang this test as it hung teardown
+        await monitor.stop()
+        return still_polling
+
+    assert asyncio.run(go()) is False

@@ -237,7 +237,11 @@ class PowerMonitor:
         """Read the source once and update state; never raises (except on cancellation)."""
         self.reads_total += 1
         try:
-            sample = await asyncio.wait_for(self.source.read(), timeout=self.read_timeout_s)
+            # asyncio.timeout, not wait_for: on Python 3.11, wait_for can swallow a cancel that
+            # lands as the read completes, and stop() then waited forever on a monitor that
+            # kept polling (seen as a rare hang in the proxy's teardown).
+            async with asyncio.timeout(self.read_timeout_s):
+                sample = await self.source.read()
         except TimeoutError:
             self.read_errors_total += 1
             self._fail(f"TimeoutError: read took longer than {self.read_timeout_s} s")
