@@ -304,13 +304,19 @@ def test_default_power_limit_is_none_when_nvml_cannot_say() -> None:
 
 def test_serve_takes_the_prior_from_nvml_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
     from powerbatch.cli import serve
+    from powerbatch.control import prior_max_w
 
     nvml = fake_nvml([FakeGpu(default_mw=700_000)])
     monkeypatch.setattr(
         serve, "default_power_limit_w", lambda g: default_power_limit_w(g, nvml=nvml)
     )
     o = {"max_w": None, "power_source": "nvml", "gpus": "0", "ceiling_w": 600.0}
-    assert serve.prior_max_w(o) == pytest.approx(700.0)
-    assert serve.prior_max_w(o | {"max_w": 800.0}) == 800.0  # the operator's figure wins
-    assert serve.prior_max_w(o | {"ceiling_w": 900.0}) is None  # ceiling above the TDP
-    assert serve.prior_max_w(o | {"power_source": "dcgm"}) is None  # no device to ask
+
+    def chosen(**kw: object) -> float | None:
+        oo = o | kw
+        return prior_max_w(oo["max_w"], serve.device_max_w(oo), oo["ceiling_w"])  # type: ignore[arg-type]
+
+    assert chosen() == pytest.approx(700.0)
+    assert chosen(max_w=800.0) == 800.0  # the operator's figure wins
+    assert chosen(ceiling_w=900.0) is None  # ceiling above the TDP
+    assert chosen(power_source="dcgm") is None  # no device to ask

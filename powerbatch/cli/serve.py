@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from powerbatch.admission import AdmissionQueue
-from powerbatch.control import ControlConfig, Controller, Limits
+from powerbatch.control import ControlConfig, Controller, Limits, prior_max_w
 from powerbatch.errors import ConfigError, PowerbatchError
 from powerbatch.proxy import Governor, ProxyMetrics, ProxySettings, create_app
 from powerbatch.proxy.app import create_admin_app
@@ -53,21 +53,17 @@ def _gpu_indices(o: dict[str, Any]) -> list[int]:
         raise ConfigError(f"--gpus must be integers for NVML, got {o['gpus']!r}") from exc
 
 
-def prior_max_w(o: dict[str, Any]) -> float | None:
-    """--max-w, else with NVML the GPUs' own default power limit, else None (ceiling / 0.7)."""
+def device_max_w(o: dict[str, Any]) -> float | None:
+    """With NVML and no --max-w: the GPUs' own default power limit, for the model's prior."""
     if o.get("max_w") is not None or o["power_source"] != "nvml":
-        return o.get("max_w")
-    tdp_w = default_power_limit_w(_gpu_indices(o))
-    if tdp_w is None:
         return None
-    if tdp_w < o["ceiling_w"]:
+    tdp_w = default_power_limit_w(_gpu_indices(o))
+    if tdp_w is not None and tdp_w < o["ceiling_w"]:
         log.warning(
             "the ceiling (%.0f W) is above the GPUs' power limit (%.0f W): it cannot bind",
             o["ceiling_w"],
             tdp_w,
         )
-        return None
-    log.info("power model prior: the GPUs' default power limit, %.0f W (NVML)", tdp_w)
     return tdp_w
 
 
@@ -155,7 +151,7 @@ def build(o: dict[str, Any]) -> tuple[web.Application, Governor]:
     cfg = ControlConfig(
         ceiling_w=o["ceiling_w"],
         margin_w=o["margin_w"],
-        max_w=prior_max_w(o),
+        max_w=prior_max_w(o["max_w"], device_max_w(o), o["ceiling_w"]),
         tick_hz=o["tick_hz"],
         min_batch=o["min_batch"],
         max_batch=o["max_batch"],

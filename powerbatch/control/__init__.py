@@ -1,6 +1,6 @@
 """Control: the decision each tick, from measured power, the learned model and latency."""
 
-from powerbatch.control.config import ControlConfig, Mode
+from powerbatch.control.config import ControlConfig, Mode, prior_max_w
 from powerbatch.control.controller import (
     BINDINGS,
     CONSTRAINTS,
@@ -22,4 +22,5 @@ __all__ = [
     "Limits",
     "Mode",
     "Observation",
+    "prior_max_w",
 ]

@@ -10,6 +10,17 @@ from powerbatch.errors import ConfigError
 Mode = Literal["enforce", "observe"]
 
 
+def prior_max_w(
+    configured_w: float | None, device_w: float | None, ceiling_w: float
+) -> float | None:
+    """The power limit the model's prior scales with: the operator's figure, else the
+    device's own (read through NVML) where the ceiling is within it, else None (ceiling / 0.7).
+    """
+    if configured_w is not None or device_w is None or device_w < ceiling_w:
+        return configured_w
+    return device_w
+
+
 @dataclass(frozen=True, slots=True)
 class ControlConfig:
     """Everything the decision each tick depends on. Watts are for the whole GPU set."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from powerbatch.control import ControlConfig
+from powerbatch.control import ControlConfig, prior_max_w
 from powerbatch.errors import ConfigError
 
 ENV_PREFIX = "POWERBATCH_VLLM_"
@@ -109,11 +109,6 @@ class PluginConfig:
         # Fail at start-up, not on the first tick: build the controller config once here.
         self.control_config(engine_max_batch=self.max_batch or 256, max_kv_tokens=1)
 
-    def _max_w(self, device_max_w: float | None) -> float | None:
-        if self.max_w is not None or device_max_w is None or device_max_w < self.ceiling_w:
-            return self.max_w
-        return device_max_w
-
     @property
     def gpu_list(self) -> list[str]:
         return [g.strip() for g in self.gpus.split(",") if g.strip()]
@@ -131,7 +126,7 @@ class PluginConfig:
         return ControlConfig(
             ceiling_w=self.ceiling_w,
             margin_w=self.margin_w,
-            max_w=self._max_w(device_max_w),
+            max_w=prior_max_w(self.max_w, device_max_w, self.ceiling_w),
             tick_hz=self.tick_hz,
             min_batch=min(self.min_batch, initial),
             max_batch=max_batch,
