@@ -11,6 +11,7 @@ import asyncio
 import json
 import math
 import random
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -174,8 +175,13 @@ def test_ten_times_the_sustainable_rate() -> None:
             # ahead takes to clear at the rate the upstream really sustains.
             waits = [int(r.retry_after or "x") for r in out.results if r.status == 429]
             assert min(waits) >= 1
-            # (queue 20 at 20/s: ideally 2; allow 2x for a test process that is itself saturated)
-            assert max(waits) <= 2 * math.ceil((20 + 1) / CAPACITY)
+            # Queue 20 at 20/s: ideally 2 s. The estimate follows the grant rate the proxy
+            # measures, and a stall of this (shared, saturated) test process is a real stall
+            # to it, so judge the bulk tightly and bound the tail loosely.
+            ideal = math.ceil((20 + 1) / CAPACITY)
+            assert ideal - 1 <= statistics.median(waits) <= ideal + 1
+            assert sum(w <= 2 * ideal for w in waits) >= 0.95 * len(waits)
+            assert max(waits) <= 4 * ideal
             # Truthful: once the burst is over, coming back after Retry-After is served at once.
             await asyncio.sleep(max(waits[-20:]))
             async with aiohttp.ClientSession() as s:
