@@ -90,6 +90,7 @@ def test_sigterm_drains_in_flight_rejects_queued_and_restarts_cleanly(tmp_path: 
                 pass
             log = stack.proxy.log_path.read_text()
             assert "draining: 2 in flight, 3 queued" in log and "Traceback" not in log
+            assert "Unclosed" not in log  # every HTTP session it opened (the scraper's too) closed
             # A restart on the same port starts cleanly and serves.
             again = Child("proxy-restarted", stack.proxy.args, tmp_path)
             await again.start(url + "/ready")

@@ -247,4 +247,6 @@ async def serve(o: dict[str, Any], stop: asyncio.Event | None = None) -> None:
         for r in reversed(runners):
             await r.cleanup()
         await gov.monitor.source.close()  # the monitor leaves its source to its owner: us
+        if gov.scraper is not None:
+            await gov.scraper.close()  # likewise the upstream scraper's HTTP session
         stop_backstop(limiter)
