@@ -1,11 +1,18 @@
-"""Regenerate the configuration table in docs/operations.md from the code."""
+"""Regenerate the settings tables in docs/operations.md and docs/vllm-plugin.md from the code."""
 
 import re
+import sys
 from pathlib import Path
 
-from powerbatch.cli.options import reference_markdown
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "plugins" / "vllm"))
 
-doc = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
-text = doc.read_text()
-pattern = r"(<!-- BEGIN config-reference[^\n]*-->\n).*?(<!-- END config-reference -->)"
-doc.write_text(re.sub(pattern, lambda m: m[1] + reference_markdown() + m[2], text, flags=re.S))
+from powerbatch.cli.settings import SERVE  # noqa: E402
+from powerbatch.settings import reference_markdown  # noqa: E402
+from powerbatch_vllm.config import PLUGIN  # noqa: E402
+
+PATTERN = r"(<!-- BEGIN config-reference[^\n]*-->\n).*?(<!-- END config-reference -->)"
+for name, surface in (("operations.md", SERVE), ("vllm-plugin.md", PLUGIN)):
+    doc = ROOT / "docs" / name
+    table = reference_markdown(surface)
+    doc.write_text(re.sub(PATTERN, lambda m: m[1] + table + m[2], doc.read_text(), flags=re.S))

@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -266,7 +266,8 @@ async def running_proxy(
     )
     gov = Governor(Controller(cfg), queue, monitor, ProxyMetrics())
     await monitor.poll_once()  # a good reading before the first tick: no start-up fail-closed
-    ps = replace(ProxySettings(upstream_url=upstream_url), admin_on_main=not admin_port, **settings)
+    # Any admin port moves the admin routes off the main app; the listener below uses port 0.
+    ps = ProxySettings(upstream=upstream_url, admin_port=9 if admin_port else None, **settings)
     runner = web.AppRunner(
         create_app(gov, ps), handler_cancellation=True, access_log=None, shutdown_timeout=0.5
     )

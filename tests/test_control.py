@@ -144,3 +144,47 @@ def test_latency_violation_shrinks_the_batch_within_the_power_limit() -> None:
     late = trace[-100:]
     assert np.median([lim for _, _, lim, *_ in late]) <= 48
     assert "latency" in {b for *_, b, _ in late}
+
+
+def _closed_loop(
+    mode: str, demand: int = 40, seconds: float = 90.0
+) -> list[tuple[float, int, float]]:
+    """The same load in either mode; observing, the plant runs whatever the load brings."""
+    rng = np.random.default_rng(1)
+    ctl = Controller(ControlConfig(ceiling_w=600.0, mode=mode))  # type: ignore[arg-type]
+    limit = ctl.config.initial_batch
+    out = []
+    for i in range(int(seconds * 5)):
+        t = i / 5
+        demand = (16, 40, 28)[int(t // 7) % 3]  # a load that varies, as a day's does
+        batch = demand if mode == "observe" else min(limit, demand)
+        power = concave_log(batch) + rng.normal(0, 8.0)
+        feats = Features(batch, 900.0 * batch, 40.0 * batch, 30.0 * batch)
+        d = ctl.tick(Observation(t, power, True, feats, batch, demand - batch))
+        limit = d.enforced.max_requests
+        out.append((t, d.proposed.max_requests, d.multipliers["power"]))
+    return out
+
+
+def test_observe_mode_proposes_what_enforce_mode_settles_at() -> None:
+    enforce, observe = _closed_loop("enforce"), _closed_loop("observe")
+    settled_e = float(np.median([n for t, n, _ in enforce if t >= 40]))
+    settled_o = float(np.median([n for t, n, _ in observe if t >= 40]))
+    # Observing, the meter shows 40 running (~660 W, over the 600 W ceiling) the whole time;
+    # judged on that, the multiplier winds up to its cap and the proposal sinks to 1.
+    assert abs(settled_o - settled_e) <= max(2.0, 0.25 * settled_e), (settled_o, settled_e)
+    assert max(lam for t, _, lam in observe if t >= 20) < 0.25 * 600.0
+    assert feasible_batch(concave_log, 600.0) >= settled_o >= 0.5 * settled_e
+
+
+def test_a_binding_kv_cap_is_reported() -> None:
+    ctl = Controller(ControlConfig(ceiling_w=2000.0, warmup_s=0.0))
+    d = None
+    for i in range(60):
+        # Plenty of watts; the upstream's KV cache is over its target, and work waits while
+        # the batch has room: the KV cap is what holds it back.
+        feats = Features(4, 4 * 900.0, 160.0, 120.0)
+        obs = Observation(i / 5, 400.0, True, feats, 4, 30, kv_cache_usage=0.97)
+        d = ctl.tick(obs)
+    assert d is not None and d.binding == "kv", d
+    assert d.multipliers["kv"] > 0

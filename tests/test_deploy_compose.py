@@ -315,7 +315,8 @@ def test_powerbatch_settings_in_compose_are_valid() -> None:
     """The mounted TOML and the POWERBATCH_* variables pass the real settings resolver."""
     import argparse
 
-    from powerbatch.cli.options import SERVE_OPTIONS, add_arguments, resolve
+    from powerbatch.cli.settings import SERVE
+    from powerbatch.settings import add_arguments, load
 
     compose = load_compose()
     toml_path = ROOT / "deploy" / "powerbatch" / "powerbatch.toml"
@@ -325,11 +326,11 @@ def test_powerbatch_settings_in_compose_are_valid() -> None:
         env = {k: str(v) for k, v in svc["environment"].items()}
         env["POWERBATCH_CONFIG"] = str(mounts[env["POWERBATCH_CONFIG"]])
         parser = argparse.ArgumentParser()
-        add_arguments(parser, SERVE_OPTIONS)
-        opts = resolve(SERVE_OPTIONS, parser.parse_args(command(svc)[1:]), env)
-        assert opts["ceiling_w"] > 0
+        add_arguments(parser, SERVE)
+        opts = load(SERVE, args=parser.parse_args(command(svc)[1:]), environ=env)
+        assert opts.control.ceiling_w > 0
         drain = tomllib.loads(toml_path.read_text())["powerbatch"]["drain_grace_s"]
-        assert opts["drain_grace_s"] == drain
+        assert opts.proxy.drain_grace_s == drain
         grace = str(svc["stop_grace_period"])
         assert grace.endswith("s") and float(grace[:-1]) > drain, "docker would kill a drain"
 

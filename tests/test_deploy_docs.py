@@ -1,38 +1,47 @@
-"""docs/operations.md cannot drift from the code: the settings table is the generated one."""
+"""The docs cannot drift from the code: the settings tables are the generated ones."""
 
 from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
 
-from powerbatch.cli.main import build_parser
-from powerbatch.cli.options import SERVE_OPTIONS, reference_markdown
+import pytest
 
-OPERATIONS = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
+from powerbatch.cli.main import build_parser
+from powerbatch.cli.settings import SERVE
+from powerbatch.settings import Surface, reference_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "plugins" / "vllm"))
+from powerbatch_vllm.config import PLUGIN  # noqa: E402
+
+OPERATIONS = ROOT / "docs" / "operations.md"
+PLUGIN_DOC = ROOT / "docs" / "vllm-plugin.md"
 BEGIN = re.compile(r"<!-- BEGIN config-reference[^>]*-->\n")
 END = "<!-- END config-reference -->"
 
 
-def documented_table() -> str:
-    text = OPERATIONS.read_text()
+def documented_table(doc: Path = OPERATIONS) -> str:
+    text = doc.read_text()
     begin = BEGIN.search(text)
-    assert begin, "docs/operations.md lacks the config-reference markers"
+    assert begin, f"{doc.name} lacks the config-reference markers"
     end = text.index(END, begin.end())
     return text[begin.end() : end]
 
 
-def test_config_reference_in_docs_equals_the_generated_one() -> None:
-    assert documented_table() == reference_markdown(), (
-        "docs/operations.md is stale: replace the table between the config-reference markers "
-        "with the output of `powerbatch config-reference`"
+@pytest.mark.parametrize(("doc", "surface"), [(OPERATIONS, SERVE), (PLUGIN_DOC, PLUGIN)])
+def test_config_reference_in_docs_equals_the_generated_one(doc: Path, surface: Surface) -> None:
+    assert documented_table(doc) == reference_markdown(surface), (
+        f"docs/{doc.name} is stale: run `python scripts/update_config_reference.py`"
     )
 
 
 def test_config_reference_covers_every_serve_flag() -> None:
     table = documented_table()
-    for opt in SERVE_OPTIONS:
-        assert f"`{opt.flag}`" in table and f"`{opt.env}`" in table and f"`{opt.name}`" in table
+    for f in SERVE.fields:
+        assert f"`{SERVE.flag(f)}`" in table and f"`{SERVE.env(f)}`" in table
     assert "POWERBATCH_CONFIG" in OPERATIONS.read_text()
 
 

@@ -13,18 +13,24 @@ import openai
 from aiohttp import web
 from conftest import FuncPowerSource, run, serve
 
-from powerbatch.cli.options import SERVE_OPTIONS
+from powerbatch.cli.settings import SERVE, ServeSettings
+from powerbatch.settings import load
 from powerbatch.cli.serve import build
 from powerbatch.proxy import Governor
 from powerbatch.sim import SimEngine
 from powerbatch.sim.server import SimServer, start_sim_server
 
 
-def options(upstream: str, **overrides: Any) -> dict[str, Any]:
-    o = {opt.name: opt.default for opt in SERVE_OPTIONS}
-    o.update(upstream=upstream, ceiling_w=600.0, warmup_s=0.5, dcgm_url=upstream + "/metrics")
-    o.update(overrides)
-    return o
+def options(upstream: str, **overrides: Any) -> ServeSettings:
+    base: dict[str, Any] = {
+        "upstream": upstream,
+        "ceiling_w": 600.0,
+        "warmup_s": 0.5,
+        "power_source": "dcgm",
+        "dcgm_url": upstream + "/metrics",
+    }
+    settings: ServeSettings = load(SERVE, overrides=base | overrides)
+    return settings
 
 
 async def _with_stack(
@@ -236,8 +242,7 @@ def test_upstream_dying_mid_stream_ends_the_stream_with_an_error_event() -> None
         stub.router.add_post("/v1/chat/completions", broken)
         stub_runner, stub_url = await serve(stub)
         app, gov = build(
-            options(stub_url, power_source="replay", replay_trace=None)
-            | {"power_source": "dcgm", "dcgm_url": stub_url + "/metrics"}
+            options(stub_url)
         )
         runner, url = await serve(app)
         try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import json
@@ -15,8 +14,8 @@ import pytest
 from conftest import run
 from faults import chat_body, running_proxy, upstream
 
-from powerbatch.cli.options import SERVE_OPTIONS, resolve
-from powerbatch.cli.serve import proxy_settings
+from powerbatch.cli.settings import SERVE
+from powerbatch.settings import load
 from powerbatch.errors import ConfigError
 from powerbatch.proxy.auth import ApiKeys
 
@@ -34,7 +33,7 @@ def test_requests_without_a_valid_key_get_401_and_never_reach_upstream() -> None
     async def go() -> None:
         async with (
             upstream() as up,
-            running_proxy(up.url, api_keys=ApiKeys([KEY, OTHER]), max_body_bytes=1024) as p,
+            running_proxy(up.url, api_keys=(KEY, OTHER), max_body_bytes=1024) as p,
             aiohttp.ClientSession() as s,
         ):
             denied: list[dict[str, str]] = [
@@ -98,21 +97,21 @@ def test_every_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch)
 def test_keys_from_a_file_through_the_serve_options(tmp_path: Path) -> None:
     path = tmp_path / "keys"
     path.write_text(f"# clients\n{KEY}\n\n  {OTHER}  \n")
-    opts = resolve(
-        SERVE_OPTIONS,
-        argparse.Namespace(),
-        {
+    settings = load(
+        SERVE,
+        environ={
             "POWERBATCH_UPSTREAM": "http://127.0.0.1:9",
+            "POWERBATCH_CEILING_W": "500",
             "POWERBATCH_API_KEYS_FILE": str(path),
             "POWERBATCH_API_KEYS": "sk-from-env",
             "POWERBATCH_UPSTREAM_API_KEY": UP_KEY,
         },
-    )
-    settings = proxy_settings(opts)
-    assert settings.api_keys is not None and len(settings.api_keys) == 3
-    assert settings.api_keys.verify(OTHER) and settings.api_keys.verify("sk-from-env")
+    ).proxy
+    keys = ApiKeys.load(settings.api_keys, settings.api_keys_file)
+    assert keys is not None and len(keys) == 3
+    assert keys.verify(OTHER) and keys.verify("sk-from-env")
     assert settings.upstream_api_key == UP_KEY
-    for text in (repr(settings), repr(settings.api_keys), str(settings)):
+    for text in (repr(settings), repr(keys), str(settings)):
         assert KEY not in text and UP_KEY not in text and "sk-from-env" not in text
     with pytest.raises(ConfigError):
         ApiKeys.load(path=str(tmp_path / "missing"))
@@ -134,7 +133,7 @@ def test_upstream_authorization_is_forwarded_or_replaced(
     client_keys: list[str] | None, upstream_key: str | None, sent: str, expected: str | None
 ) -> None:
     async def go() -> None:
-        keys = ApiKeys(client_keys) if client_keys else None
+        keys = tuple(client_keys or ())
         async with (
             upstream() as up,
             running_proxy(up.url, api_keys=keys, upstream_api_key=upstream_key) as p,
@@ -156,7 +155,7 @@ def test_keys_are_never_logged(caplog: pytest.LogCaptureFixture) -> None:
     async def go() -> None:
         async with upstream() as up:
             async with (
-                running_proxy(up.url, api_keys=ApiKeys([KEY]), upstream_api_key=UP_KEY) as p,
+                running_proxy(up.url, api_keys=(KEY,), upstream_api_key=UP_KEY) as p,
                 aiohttp.ClientSession() as s,
             ):
                 for key in (KEY, "sk-wrong-guess"):
@@ -180,7 +179,7 @@ def test_admin_endpoints_can_live_on_their_own_port() -> None:
     async def go() -> None:
         async with (
             upstream() as up,
-            running_proxy(up.url, api_keys=ApiKeys([KEY]), admin_port=True) as p,
+            running_proxy(up.url, api_keys=(KEY,), admin_port=True) as p,
             aiohttp.ClientSession() as s,
         ):
             assert p.admin_url is not None

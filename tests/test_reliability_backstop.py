@@ -6,7 +6,6 @@ runs its real code path (power source and limiter both through NVML) without a G
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import sys
@@ -19,33 +18,33 @@ from conftest import run
 from faults import upstream
 from test_telemetry_nvml import FakeGpu, fake_nvml
 
-from powerbatch.cli.options import SERVE_OPTIONS, resolve
+from powerbatch.cli.settings import SERVE, ServeSettings
 from powerbatch.cli.serve import build, serve
 from powerbatch.cli.stack import free_port
 from powerbatch.errors import ConfigError, PowerLimitError
+from powerbatch.settings import load
 
 
-def options(upstream_url: str, **over: Any) -> dict[str, Any]:
-    o = resolve(SERVE_OPTIONS, argparse.Namespace(), {})
-    o.update(
-        upstream=upstream_url,
-        port=free_port(),
-        ceiling_w=800.0,
-        power_source="nvml",
-        gpus="0,1",
-        hardware_backstop=True,
-        upstream_metrics=False,
-        drain_grace_s=1.0,
-    )
-    o.update(over)
-    return o
+def options(upstream_url: str, **over: Any) -> ServeSettings:
+    base: dict[str, Any] = {
+        "upstream": upstream_url,
+        "port": free_port(),
+        "ceiling_w": 800.0,
+        "power_source": "nvml",
+        "gpus": "0,1",
+        "hardware_backstop": True,
+        "upstream_metrics": False,
+        "drain_grace_s": 1.0,
+    }
+    settings: ServeSettings = load(SERVE, overrides=base | over)
+    return settings
 
 
-async def serve_until_up(o: dict[str, Any], check: Any) -> None:
+async def serve_until_up(o: ServeSettings, check: Any) -> None:
     """Run `serve` in-process, call `check()` once it answers, then stop it like SIGTERM does."""
     stop = asyncio.Event()
     task = asyncio.create_task(serve(o, stop=stop))
-    url = f"http://127.0.0.1:{o['port']}/health"
+    url = f"http://127.0.0.1:{o.proxy.port}/health"
     async with aiohttp.ClientSession() as s:
         for _ in range(200):
             if task.done():
@@ -114,17 +113,17 @@ def test_backstop_without_permission_refuses_to_start(monkeypatch: pytest.Monkey
                 await serve(o, stop=asyncio.Event())
             async with aiohttp.ClientSession() as s:  # nothing was left listening
                 with pytest.raises(aiohttp.ClientConnectionError):
-                    await s.get(f"http://127.0.0.1:{o['port']}/health")
+                    await s.get(f"http://127.0.0.1:{o.proxy.port}/health")
 
     run(go())
     assert gpus[0].limit_mw == 700_000
 
 
 def test_backstop_needs_the_nvml_power_source() -> None:
-    with pytest.raises(ConfigError, match="--power-source nvml"):
-        build(options("http://127.0.0.1:9", power_source="dcgm"))
+    with pytest.raises(ConfigError, match="needs nvml"):
+        options("http://127.0.0.1:9", power_source="dcgm")
 
 
 def test_backstop_is_off_by_default() -> None:
-    o = resolve(SERVE_OPTIONS, argparse.Namespace(), {})
-    assert o["hardware_backstop"] is False
+    o = load(SERVE, overrides={"upstream": "http://127.0.0.1:9", "ceiling_w": 500})
+    assert o.hardware_backstop is False

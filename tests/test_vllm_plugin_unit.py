@@ -11,6 +11,7 @@ import json
 import sys
 import time
 import urllib.request
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ except ImportError:  # not installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "vllm"))
 
 from powerbatch_vllm.compat import UnsupportedVllmVersion, check_vllm_version, parse_version
-from powerbatch_vllm.config import PluginConfig, load_config, reference_markdown
+from powerbatch_vllm.config import PLUGIN, PluginConfig, load_config, reference_markdown
 from powerbatch_vllm.control import ControlThread
 from powerbatch_vllm.engine import EngineCaps, EngineLimits, StepStats, engine_limits
 from powerbatch_vllm.metrics import dcgm_text
@@ -29,7 +30,14 @@ from powerbatch_vllm.plugin import _in_use
 
 from powerbatch.control import Limits
 from powerbatch.errors import ConfigError, SensorReadError
+from powerbatch.settings import load
 from powerbatch.telemetry import PowerSample
+
+def plugin_config(**flat: Any) -> PluginConfig:
+    """Settings by their flat names, through the same checks as the environment's."""
+    cfg: PluginConfig = load(PLUGIN, environ={}, overrides=flat)
+    return cfg
+
 
 CAPS = EngineCaps(
     max_active_reqs=64, max_step_tokens=2048, num_kv_blocks=511, block_size=16, chunked_prefill=True
@@ -43,12 +51,10 @@ def test_config_from_env_and_file(tmp_path: Path) -> None:
     f = tmp_path / "pb.toml"
     f.write_text('[powerbatch_vllm]\nceiling_w = 500\npower_source = "model"\ntick_hz = 10\n')
     cfg = load_config({"POWERBATCH_VLLM_CONFIG": str(f), "POWERBATCH_VLLM_TICK_HZ": "4"})
-    assert cfg.ceiling_w == 500 and cfg.power_source == "model"
-    assert cfg.tick_hz == 4  # the environment wins over the file
-    assert (
-        load_config({"POWERBATCH_VLLM_CEILING_W": "1", "POWERBATCH_VLLM_KV_CAP": "off"}).kv_cap
-        is False
-    )
+    assert cfg.control.ceiling_w == 500 and cfg.power.power_source == "model"
+    assert cfg.control.tick_hz == 4  # the environment wins over the file
+    off = load_config({"POWERBATCH_VLLM_CEILING_W": "100", "POWERBATCH_VLLM_KV_CAP": "off"})
+    assert off.engine.kv_cap is False
 
 
 @pytest.mark.parametrize(
@@ -68,24 +74,24 @@ def test_bad_config_fails_at_start(env: dict[str, str]) -> None:
 
 
 def test_control_config_never_exceeds_vllm() -> None:
-    cfg = PluginConfig(ceiling_w=500, max_batch=512, initial_batch=16)
+    cfg = plugin_config(ceiling_w=500, max_batch=512, initial_batch=16)
     cc = cfg.control_config(engine_max_batch=8, max_kv_tokens=1000)
     assert cc.max_batch == 8 and cc.initial_batch == 8 and cc.max_kv_tokens == 1000
 
 
 def test_prior_takes_the_devices_power_limit_unless_told() -> None:
-    cfg = PluginConfig(ceiling_w=600)
+    cfg = plugin_config(ceiling_w=600)
     assert cfg.control_config(engine_max_batch=64, max_kv_tokens=1, device_max_w=700).max_w == 700
     assert cfg.control_config(engine_max_batch=64, max_kv_tokens=1).max_w is None
     # The ceiling above the device's limit (it cannot bind), or the operator's own figure: as set.
     assert cfg.control_config(engine_max_batch=64, max_kv_tokens=1, device_max_w=500).max_w is None
-    told = PluginConfig(ceiling_w=600, max_w=800)
+    told = plugin_config(ceiling_w=600, max_w=800)
     assert told.control_config(engine_max_batch=64, max_kv_tokens=1, device_max_w=700).max_w == 800
 
 
 def test_reference_lists_every_setting() -> None:
     table = reference_markdown()
-    assert "POWERBATCH_VLLM_CEILING_W" in table and "POWERBATCH_VLLM_TRACE_PATH" in table
+    assert "POWERBATCH_VLLM_CEILING_W" in table and "POWERBATCH_VLLM_RECORD_TRACE" in table
 
 
 def test_version_check() -> None:
@@ -196,7 +202,7 @@ class Watts:
 
 
 def _thread(mode: str, watts: Watts) -> ControlThread:
-    cfg = PluginConfig(ceiling_w=500, mode=mode, warmup_s=0.0, metrics_port=0, initial_batch=32)
+    cfg = plugin_config(ceiling_w=500, mode=mode, warmup_s=0.0, metrics_port=0, initial_batch=32)
     stats = StepStats()
     return ControlThread(cfg, CAPS, stats, source=watts)
 
@@ -263,7 +269,7 @@ def test_sensor_loss_holds_the_safe_batch() -> None:
 
 
 def test_status_endpoint_serves_metrics_and_modelled_power() -> None:
-    cfg = PluginConfig(
+    cfg = plugin_config(
         ceiling_w=500, power_source="model", metrics_port=1, warmup_s=0.0
     )  # port replaced below
     stats = StepStats()

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
-from powerbatch.cli.options import SERVE_OPTIONS, add_arguments, reference_markdown, resolve
+from powerbatch.cli.settings import SERVE
 from powerbatch.errors import PowerbatchError
+from powerbatch.settings import add_arguments, load, reference_markdown
 
 
 def _sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -55,8 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="powerbatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _sim_parser(sub)
-    serve = sub.add_parser("serve", help="run the power-aware proxy in front of an upstream")
-    add_arguments(serve, SERVE_OPTIONS)
+    serve = sub.add_parser(
+        "serve",
+        help="run the power-aware proxy in front of an upstream",
+        description="Run the power-aware proxy. Every setting is a flag, a POWERBATCH_* variable "
+        "and a key of the TOML file named by --config or POWERBATCH_CONFIG; precedence: "
+        "default < file < environment < flag.",
+    )
+    add_arguments(serve, SERVE)
 
     from powerbatch.cli import bench, demo, replay
 
@@ -76,13 +84,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "serve":
             from powerbatch.cli.serve import serve
 
-            opts = resolve(SERVE_OPTIONS, args)
+            settings = load(SERVE, args=args, environ=os.environ)
             logging.basicConfig(
-                level=opts["log_level"].upper(), format="%(asctime)s %(name)s %(message)s"
+                level=settings.log_level.upper(), format="%(asctime)s %(name)s %(message)s"
             )
-            asyncio.run(serve(opts))
+            config = args.config or os.environ.get(SERVE.config_env)
+            if config:
+                logging.getLogger("powerbatch").info("settings from %s", config)
+            asyncio.run(serve(settings))
         elif args.command == "config-reference":
-            sys.stdout.write(reference_markdown())
+            sys.stdout.write(reference_markdown(SERVE))
         else:
             return int(args.func(args))
     except PowerbatchError as exc:

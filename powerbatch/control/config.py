@@ -1,4 +1,9 @@
-"""Controller settings, with the defaults a first deployment should start from."""
+"""The controller's settings: what an operator sets (`ControlConfig`) and the gains of each law.
+
+Each gain sits next to the law it tunes (`Gains`); the laws themselves are in
+`powerbatch.control.controller`. Both are settings (flags, `POWERBATCH_*`, TOML), defined here
+once, so the proxy and the vLLM plugin read the same names with the same bounds.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from powerbatch.errors import ConfigError
+from powerbatch.settings import check_bounds, setting
 
 Mode = Literal["enforce", "observe"]
 
@@ -22,53 +28,146 @@ def prior_max_w(
 
 
 @dataclass(frozen=True, slots=True)
-class ControlConfig:
-    """Everything the decision each tick depends on. Watts are for the whole GPU set."""
+class Gains:
+    """Controller gains (each tunes one law; defaults are what the replay tests were tuned on)"""
 
-    ceiling_w: float
-    margin_w: float | None = None  # default: 2% of the ceiling
-    hysteresis_w: float | None = None  # default: 1% of the ceiling; the dead band for growing
-    max_w: float | None = None  # the set's power limit (TDP); default ceiling / 0.7
-    tick_hz: float = 5.0
-    min_batch: int = 1
-    max_batch: int = 256  # never above the upstream's own --max-num-seqs
-    initial_batch: int = 8
-    safe_batch: int = 2  # where the batch goes when no power reading can be trusted
-    recover_s: float = 2.0  # good readings needed before leaving the safe batch
-    max_kv_tokens: int = 2_000_000
-    step_up_frac: float = 0.2  # largest growth of the batch per tick
-    confidence: float = 0.95  # of the one-sided upper prediction bound
-    model_half_life_s: float = 20.0
-    model_window: int = 1_500
-    warmup_s: float = 5.0
-    mode: Mode = "enforce"
-    ttft_slo_s: float = 2.0
-    tpot_slo_s: float = 0.1
-    interactive_classes: tuple[str, ...] = ("high", "normal")
-    kv_usage_target: float = 0.9  # upstream KV-cache usage above this shrinks the KV cap
-    prefill_pacing: bool = True
-    min_prefill_tok_s: float = 500.0
-    power_gain: float = 0.25  # dual ascent step of the power multiplier, W per W of violation
-    emergency_cut: float = 0.8  # on a measured breach, the batch drops to this share of in-flight
-    cut_cooldown_s: float = 1.0  # no second cut before the first can show in the power
-    demand_headroom: float = 1.25  # the batch may lead recent peak demand by this factor
-    extra: dict[str, str] = field(default_factory=dict)
+    # Power. Growth: the batch grows by at most this share of itself per tick, so a wrong
+    # probe costs at most one step of watts before the meter shows it.
+    step_up_frac: float = setting(0.2, "largest growth of the batch per tick", gt=0, le=1)
+    # Power. Dual ascent: λ_power += power_gain × (measured − goal), in W per W, clipped to
+    # [0, power_lambda_max_frac × ceiling]; the target is goal − λ_power.
+    power_gain: float = setting(
+        0.25, "dual ascent step of the power multiplier, W per W of violation", ge=0, le=10
+    )
+    power_lambda_max_frac: float = setting(
+        0.25, "largest power multiplier, as a share of the ceiling", ge=0, le=0.9
+    )
+    # Power. Over the target, the batch steps down at most this share per tick: a cut deeper
+    # than the excess is itself a swing in power.
+    step_down_frac: float = setting(0.25, "largest shrink of the batch per tick", gt=0, le=1)
+    # Power. A measured breach cuts the batch to emergency_cut × in flight at once, then no
+    # second cut for cut_cooldown_s (admission cannot preempt: power falls as requests finish).
+    emergency_cut: float = setting(
+        0.8, "on a measured breach, the batch drops to this share of in-flight", gt=0, lt=1
+    )
+    cut_cooldown_s: float = setting(
+        1.0, "no second breach cut before the first can show in the power", ge=0
+    )
+    # Power. The meter's own spread over this window bounds one reading's noise.
+    meter_window_s: float = setting(10.0, "window of the meter's recent spread, s", gt=0)
+    # Latency. λ_latency += latency_gain × (p95 TPOT / SLO − 1); while over the SLO the batch
+    # shrinks by latency_shrink × the excess ratio (capped at 1) per tick; while λ is 0 it
+    # regrows by latency_regrow per tick (plus one request).
+    latency_gain: float = setting(0.2, "dual ascent step of the latency multiplier", ge=0)
+    latency_shrink: float = setting(
+        0.1, "batch shrink per tick per unit of TPOT excess ratio", ge=0, lt=1
+    )
+    latency_regrow: float = setting(
+        0.05, "batch regrowth per tick once TPOT is back under its SLO", ge=0
+    )
+    # Latency. p95 TTFT over its SLO multiplies the growth step: queueing is hurting first
+    # tokens, so grow faster where watts allow (the ceiling still wins).
+    ttft_step_boost: float = setting(2.0, "growth step multiplier while TTFT is over SLO", ge=1)
+    # KV. λ_kv += kv_gain × (usage − target); over target the KV scale shrinks by kv_shrink
+    # per tick down to kv_min_scale, and regrows by kv_regrow while λ_kv is 0.
+    kv_gain: float = setting(1.0, "dual ascent step of the KV multiplier", ge=0)
+    kv_shrink: float = setting(0.1, "KV cap shrink per tick while usage is over target", ge=0, lt=1)
+    kv_regrow: float = setting(0.02, "KV cap regrowth per tick once usage is under target", ge=0)
+    kv_min_scale: float = setting(0.1, "smallest KV cap, as a share of the learned one", gt=0, le=1)
+    # KV. The cap is kv_lead × batch × the learned KV per request: room for the spread of
+    # context lengths, yet a shift to much longer contexts is capped before its power shows.
+    kv_lead: float = setting(2.0, "KV cap as a multiple of the batch's usual KV", ge=1)
+    # Prefill pace: between pace_min and pace_max times the steady prompt flow — less starves
+    # the batch it feeds, more lets a burst of prompts through as a burst of watts.
+    pace_min: float = setting(1.5, "slowest prefill pace, × the steady prompt flow", ge=1)
+    pace_max: float = setting(3.0, "fastest prefill pace, × the steady prompt flow", ge=1)
+    # Demand: the batch may lead the last demand_window_s's peak demand by this factor plus
+    # demand_slack requests, so a burst ramps in instead of landing at once.
+    demand_headroom: float = setting(
+        1.25, "the batch may lead recent peak demand by this factor", ge=1
+    )
+    demand_slack: int = setting(2, "and by this many requests", ge=0)
+    demand_window_s: float = setting(10.0, "window of recent peak demand, s", gt=0)
+    # The learned shape of one request (KV, prefill, decode rates) follows the load mix with
+    # this EWMA weight per tick: slow, the mix changes over tens of ticks.
+    shape_rate: float = setting(0.1, "EWMA weight per tick of the per-request shape", gt=0, le=1)
 
     def __post_init__(self) -> None:
-        if not self.ceiling_w > 0:
-            raise ConfigError(f"ceiling_w must be positive, got {self.ceiling_w}")
-        if not 1 <= self.min_batch <= self.initial_batch <= self.max_batch:
-            raise ConfigError("need 1 <= min_batch <= initial_batch <= max_batch")
-        if not 1 <= self.safe_batch <= self.max_batch:
-            raise ConfigError("need 1 <= safe_batch <= max_batch")
-        if not 0.5 < self.confidence < 1:
-            raise ConfigError("confidence must be in (0.5, 1)")
-        if self.tick_hz <= 0 or self.tick_hz > 100:
-            raise ConfigError("tick_hz must be in (0, 100]")
-        if self.mode not in ("enforce", "observe"):
-            raise ConfigError(f"mode must be enforce or observe, got {self.mode!r}")
+        check_bounds(self)
+        if self.pace_max < self.pace_min:
+            raise ConfigError(f"pace_max ({self.pace_max}) is below pace_min ({self.pace_min})")
+
+
+@dataclass(frozen=True, slots=True)
+class ControlConfig:
+    """Controller: the ceiling, the batch limits and the latency objectives"""
+
+    ceiling_w: float = setting(help="hard power ceiling for the GPU set, watts", gt=0)
+    margin_w: float | None = setting(
+        None, "stay this far under the ceiling, watts", ge=0, default_doc="2% of the ceiling"
+    )
+    hysteresis_w: float | None = setting(
+        None,
+        "dead band under the target in which the batch holds, watts",
+        ge=0,
+        default_doc="1% of the ceiling",
+    )
+    max_w: float | None = setting(
+        None,
+        "the GPU set's power limit (TDP), watts; the model's prior only",
+        gt=0,
+        default_doc="NVML's default limit with nvml, else ceiling / 0.7",
+    )
+    mode: Mode = setting("enforce", "enforce limits, or observe (decide and report only)")
+    tick_hz: float = setting(5.0, "control decisions per second", gt=0, le=100)
+    warmup_s: float = setting(5.0, "silent warm-up: learn at the initial batch, s", ge=0)
+    min_batch: int = setting(1, "smallest batch limit", ge=1)
+    max_batch: int = setting(
+        256, "largest batch limit; keep at or under vLLM's --max-num-seqs", ge=1, le=65_536
+    )
+    initial_batch: int = setting(8, "batch limit during warm-up", ge=1)
+    safe_batch: int = setting(2, "batch limit while no power reading can be trusted", ge=1)
+    recover_s: float = setting(2.0, "good readings needed before leaving the safe batch, s", ge=0)
+    max_kv_tokens: int = setting(2_000_000, "hard cap on estimated KV tokens in flight", ge=1)
+    confidence: float = setting(0.95, "confidence of the upper prediction bound", gt=0.5, lt=1)
+    model_half_life_s: float = setting(20.0, "the power model forgets with this half-life, s", gt=0)
+    model_window: int = setting(1_500, "samples the power model keeps", ge=20)
+    ttft_slo_s: float = setting(2.0, "p95 time-to-first-token SLO, s", gt=0)
+    tpot_slo_s: float = setting(0.1, "p95 time-per-output-token SLO, s", gt=0)
+    interactive_classes: tuple[str, ...] = setting(
+        ("high", "normal"), "priority classes whose latency the SLOs are about"
+    )
+    kv_usage_target: float = setting(
+        0.9, "upstream KV-cache usage above this shrinks the KV cap", gt=0, le=1
+    )
+    prefill_pacing: bool = setting(True, "pace prompt tokens admitted per second")
+    min_prefill_tok_s: float = setting(500.0, "slowest prefill pace, tokens/s", gt=0)
+    gains: Gains = field(default_factory=Gains)
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+        if not self.min_batch <= self.initial_batch <= self.max_batch:
+            raise ConfigError(
+                f"need min_batch <= initial_batch <= max_batch, got "
+                f"{self.min_batch} / {self.initial_batch} / {self.max_batch}"
+            )
+        if not self.min_batch <= self.safe_batch <= self.max_batch:
+            raise ConfigError(
+                f"need min_batch <= safe_batch <= max_batch, got "
+                f"{self.min_batch} / {self.safe_batch} / {self.max_batch}"
+            )
+        if self.margin + self.hysteresis >= 0.5 * self.ceiling_w:
+            raise ConfigError(
+                f"margin_w + hysteresis_w ({self.margin:g} + {self.hysteresis:g} W) must be under "
+                f"half the ceiling ({self.ceiling_w:g} W): the target would leave no room to run"
+            )
         if self.max_w is not None and self.max_w < self.ceiling_w:
-            raise ConfigError("max_w (the GPUs' power limit) is below the ceiling")
+            raise ConfigError(
+                f"max_w ({self.max_w:g} W, the GPUs' power limit) is below the ceiling "
+                f"({self.ceiling_w:g} W)"
+            )
+        if not self.interactive_classes:
+            raise ConfigError("interactive_classes must name at least one class")
 
     @property
     def margin(self) -> float:
@@ -77,3 +176,16 @@ class ControlConfig:
     @property
     def hysteresis(self) -> float:
         return self.hysteresis_w if self.hysteresis_w is not None else 0.01 * self.ceiling_w
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSettings:
+    """Control trace: every tick, written as it goes"""
+
+    record_trace: str | None = setting(
+        None, "append the control trace (CSV, one row per tick) to this file as it runs"
+    )
+    trace_rotate_rows: int = setting(
+        90_000, "rows per trace file before it rotates to FILE.1, FILE.2, ... (5 h at 5 Hz)", ge=1
+    )
+    trace_keep: int = setting(5, "rotated trace files kept besides the current one", ge=0)

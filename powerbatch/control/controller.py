@@ -123,17 +123,13 @@ class Controller:
         self._grid = np.arange(config.min_batch, config.max_batch + 1, dtype=float)
         self.last: Decision | None = None
 
-    @property
-    def multipliers(self) -> dict[str, float]:
-        return dict(self._lambda)
-
     # -- pieces of the decision ---------------------------------------------------------------
 
     def _learn_shape(self, f: Features) -> None:
         if f.batch < 1:
             return
         per = f.per_request()
-        a = 0.1  # slow: the shape is the load mix, which changes over tens of ticks
+        a = self.config.gains.shape_rate
         s = self._shape
         self._shape = Features(
             1.0,
@@ -188,13 +184,13 @@ class Controller:
             return power_w + mean_at(n) - here_w + noise_w
 
         if power_w > target_w:
-            # Step down to where the anchored bound fits, at most a quarter per tick: a cut
-            # deeper than the excess is itself a swing in power.
+            # Step down to where the anchored bound fits, at most `step_down_frac` per tick.
             n = current
             while n > cfg.min_batch and anchored_upper(n) > target_w + noise_w:
                 n -= 1
             model_n = self._largest_batch_under(upper_w, target_w)
-            return max(min(current, max(n, model_n)), math.floor(0.75 * current))
+            floor_n = math.floor((1.0 - cfg.gains.step_down_frac) * current)
+            return max(min(current, max(n, model_n)), floor_n)
         room_w = target_w - cfg.hysteresis
         if power_w >= room_w:
             return current
@@ -203,7 +199,7 @@ class Controller:
         return max(n_grow, probe if anchored_upper(probe) <= room_w else current)
 
     def _meter_spread_w(self) -> float:
-        """The upper quantile of the last ~10 s of 1-second power around its mean."""
+        """The upper quantile of recent 1-second power around its mean (`meter_window_s`)."""
         p = self._recent_power
         if len(p) < 20:
             return math.inf
@@ -212,38 +208,42 @@ class Controller:
 
     def _recent_peak_demand(self, t_s: float, demand: int) -> int:
         self._demand.append((t_s, demand))
-        while self._demand and self._demand[0][0] < t_s - 10.0:
+        while self._demand and self._demand[0][0] < t_s - self.config.gains.demand_window_s:
             self._demand.popleft()
         return max(d for _, d in self._demand)
 
     def _update_latency(self, lat: LatencySnapshot | None, in_flight: int) -> None:
-        cfg = self.config
+        cfg, g = self.config, self.config.gains
         tpot = lat.tpot_p95_s if lat else None
         if tpot is not None:
             ratio = tpot / cfg.tpot_slo_s
-            self._lambda["latency"] = max(0.0, self._lambda["latency"] + 0.2 * (ratio - 1.0))
+            lam = self._lambda["latency"] + g.latency_gain * (ratio - 1.0)
+            self._lambda["latency"] = max(0.0, lam)
             if ratio > 1.0:
                 base = min(self._latency_batch, float(max(in_flight, cfg.min_batch)))
-                self._latency_batch = base * (1.0 - 0.1 * min(ratio - 1.0, 1.0))
+                self._latency_batch = base * (1.0 - g.latency_shrink * min(ratio - 1.0, 1.0))
             elif self._lambda["latency"] == 0.0:
-                self._latency_batch = min(float(cfg.max_batch), self._latency_batch * 1.05 + 1)
+                regrown = self._latency_batch * (1.0 + g.latency_regrow) + 1
+                self._latency_batch = min(float(cfg.max_batch), regrown)
         self._latency_batch = max(float(cfg.min_batch), self._latency_batch)
 
     def _update_kv(self, usage: float | None) -> None:
         if usage is None:
             return
+        g = self.config.gains
         over = usage - self.config.kv_usage_target
-        self._lambda["kv"] = max(0.0, self._lambda["kv"] + over)
+        self._lambda["kv"] = max(0.0, self._lambda["kv"] + g.kv_gain * over)
         if over > 0:
-            self._kv_scale = max(0.1, self._kv_scale * 0.9)
+            self._kv_scale = max(g.kv_min_scale, self._kv_scale * (1.0 - g.kv_shrink))
         elif self._lambda["kv"] == 0.0:
-            self._kv_scale = min(1.0, self._kv_scale * 1.02)
+            self._kv_scale = min(1.0, self._kv_scale * (1.0 + g.kv_regrow))
 
     def _kv_limit(self, batch: int) -> int:
-        # Twice the batch's usual KV: room for the spread of context lengths (a single long
-        # prompt must not idle the batch), yet a shift to much longer contexts is capped
+        # `kv_lead` x the batch's usual KV: room for the spread of context lengths (a single
+        # long prompt must not idle the batch), yet a shift to much longer contexts is capped
         # before the power it costs shows on the meter.
-        by_shape = 2.0 * batch * self._shape.kv_tokens * self._kv_scale
+        lead = self.config.gains.kv_lead
+        by_shape = lead * batch * self._shape.kv_tokens * self._kv_scale
         return int(min(self.config.max_kv_tokens, max(by_shape, self._shape.kv_tokens)))
 
     def _prefill_pace(self, batch: int, target_w: float) -> float | None:
@@ -251,13 +251,41 @@ class Controller:
         if not cfg.prefill_pacing:
             return None
         steady = max(self._shape.prefill_tok_s * batch, cfg.min_prefill_tok_s)
-        # Between 1.5x and 3x the steady flow: less starves the batch it is meant to feed,
-        # more lets a burst of prompts through as a burst of watts.
-        rates = steady * np.array([1.5, 2.0, 3.0])
+        # Between pace_min and pace_max x the steady flow: less starves the batch it is meant
+        # to feed, more lets a burst of prompts through as a burst of watts.
+        g = cfg.gains
+        rates = steady * np.linspace(g.pace_min, g.pace_max, 3)
         at_batch = self._shape.scaled(float(batch))
         upper = self.model.predict([at_batch.with_prefill(float(r)) for r in rates]).upper_w
         ok = rates[upper <= target_w]
         return float(ok.max()) if len(ok) else float(rates[0])
+
+    def _as_enforced(
+        self, obs: Observation, current: int, mean_w: np.ndarray
+    ) -> tuple[float, float, int, int]:
+        """Power, anchor batch, in flight and queued as if the proposal were in force.
+
+        Enforcing, that is what the meter and the queue see. Observing, nothing is enforced,
+        so the meter shows the load's own batch; judging the proposal by it would wind the
+        power multiplier up on watts the proposal would never draw, and the proposal would
+        sink far below what enforce mode settles at. So the proposal is judged by the meter
+        plus the model's difference between the proposed batch and the one in flight.
+        """
+        assert obs.power_w is not None
+        if self.config.mode != "observe" or obs.features.batch <= current:
+            return obs.power_w, obs.features.batch, obs.in_flight, obs.queued
+        lo = self.config.min_batch
+
+        def mean_at(n: float) -> float:
+            return float(mean_w[round(min(max(n, lo), self.config.max_batch)) - lo])
+
+        power_w = obs.power_w + mean_at(current) - mean_at(obs.features.batch)
+        in_flight = min(obs.in_flight, current)
+        return power_w, float(current), in_flight, obs.queued + obs.in_flight - in_flight
+
+    def _kv_binds(self, kv_tokens_in_flight: float, kv_limit: int) -> bool:
+        """The KV cap holds work back: it is shrunk by the KV multiplier, or nearly full."""
+        return self._lambda["kv"] > 0.0 or kv_tokens_in_flight >= 0.9 * kv_limit
 
     # -- the tick -----------------------------------------------------------------------------
 
@@ -298,33 +326,36 @@ class Controller:
                 f"batch held at safe limit {cfg.safe_batch}",
             )
 
-        power_w = obs.power_w
-        self.model.observe(obs.t_s, obs.features, power_w)
-        self._recent_power.append((obs.t_s, power_w))
-        while self._recent_power[0][0] < obs.t_s - 10.0:
+        g = cfg.gains
+        self.model.observe(obs.t_s, obs.features, obs.power_w)
+        self._recent_power.append((obs.t_s, obs.power_w))
+        while self._recent_power[0][0] < obs.t_s - g.meter_window_s:
             self._recent_power.popleft()
         self._learn_shape(obs.features)
+        pred = self.model.predict_design(design_ray(self._shape, self._grid))
+        current = self._batch
+        power_w, anchor, in_flight, queued = self._as_enforced(obs, current, pred.mean_w)
+
         goal_w = cfg.ceiling_w - cfg.margin
         if not warming:
-            lam = self._lambda["power"] + cfg.power_gain * (power_w - goal_w)
-            self._lambda["power"] = min(max(lam, 0.0), 0.25 * cfg.ceiling_w)
-            self._update_latency(obs.latency, obs.in_flight)
+            lam = self._lambda["power"] + g.power_gain * (power_w - goal_w)
+            self._lambda["power"] = min(max(lam, 0.0), g.power_lambda_max_frac * cfg.ceiling_w)
+            self._update_latency(obs.latency, in_flight)
             self._update_kv(obs.kv_cache_usage)
         target_w = goal_w - self._lambda["power"]
 
-        pred = self.model.predict_design(design_ray(self._shape, self._grid))
-        current = self._batch
-        step = max(1, math.ceil(current * cfg.step_up_frac))
+        step = max(1, math.ceil(current * g.step_up_frac))
         ttft = obs.latency.ttft_p95_s if obs.latency else None
         if ttft is not None and ttft > cfg.ttft_slo_s:
-            step *= 2  # queueing is hurting first tokens: grow faster where watts allow
-        peak = self._recent_peak_demand(obs.t_s, obs.in_flight + obs.queued)
+            # Queueing is hurting first tokens: grow faster where watts allow.
+            step = math.ceil(step * g.ttft_step_boost)
+        peak = self._recent_peak_demand(obs.t_s, in_flight + queued)
         caps = {
             "power": self._power_cap(
-                power_w, target_w, current, step, obs.features.batch, pred.mean_w, pred.upper_w
+                power_w, target_w, current, step, anchor, pred.mean_w, pred.upper_w
             ),
             "latency": int(self._latency_batch),
-            "demand": max(cfg.initial_batch, math.ceil(peak * cfg.demand_headroom) + 2),
+            "demand": max(cfg.initial_batch, math.ceil(peak * g.demand_headroom) + g.demand_slack),
             "max_batch": cfg.max_batch,
         }
         binding = min(caps, key=lambda k: caps[k])
@@ -335,9 +366,9 @@ class Controller:
         # cannot preempt, so power falls only as requests finish.
         emergency = breach and obs.t_s >= self._cut_until_s
         if emergency:
-            cut = math.floor(min(current, max(obs.in_flight, 1)) * cfg.emergency_cut)
+            cut = math.floor(min(current, max(in_flight, 1)) * g.emergency_cut)
             new = min(cut, cap)
-            self._cut_until_s = obs.t_s + cfg.cut_cooldown_s
+            self._cut_until_s = obs.t_s + g.cut_cooldown_s
             binding = "power"
         elif breach:
             new = min(current, cap)
@@ -346,8 +377,17 @@ class Controller:
         else:
             new = cap if cap < current else min(cap, current + step)
         self._batch = max(cfg.min_batch, min(new, cfg.max_batch))
+        kv_limit = self._kv_limit(self._batch)
 
-        if obs.queued == 0 and not emergency and obs.in_flight < self._batch:
+        room = in_flight < self._batch
+        if (
+            queued > 0
+            and room
+            and not emergency
+            and self._kv_binds(obs.features.kv_tokens, kv_limit)
+        ):
+            binding = "kv"  # work waits while the batch has room: the KV cap holds it back
+        elif queued == 0 and room and not emergency:
             binding = "none"  # nothing waits: no constraint is holding work back now
         if warming:
             state, binding = "warmup", "warmup" if not emergency else binding
@@ -355,9 +395,7 @@ class Controller:
             state = cfg.mode
         idx = self._batch - cfg.min_batch
         mean_w, upper_w = float(pred.mean_w[idx]), float(pred.upper_w[idx])
-        limits = Limits(
-            self._batch, self._kv_limit(self._batch), self._prefill_pace(self._batch, target_w)
-        )
+        limits = Limits(self._batch, kv_limit, self._prefill_pace(self._batch, target_w))
         return self._decide(
             obs,
             limits,

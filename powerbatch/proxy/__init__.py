@@ -1,7 +1,8 @@
 """Proxy: the aiohttp reverse proxy and the control loop behind it."""
 
-from powerbatch.proxy.app import ProxySettings, create_app
+from powerbatch.proxy.app import create_app
 from powerbatch.proxy.governor import Governor, TickRecord
 from powerbatch.proxy.metrics import ProxyMetrics
+from powerbatch.proxy.settings import ProxySettings
 
 __all__ = ["Governor", "ProxyMetrics", "ProxySettings", "TickRecord", "create_app"]

@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -24,6 +23,7 @@ from powerbatch.proxy.auth import ApiKeys, auth_middleware
 from powerbatch.proxy.errors import error_body, error_response, sse_error_event
 from powerbatch.proxy.governor import Governor
 from powerbatch.proxy.parse import BadRequest, RequestInfo, parse_request
+from powerbatch.proxy.settings import ProxySettings
 
 log = logging.getLogger("powerbatch.proxy")
 
@@ -51,21 +51,6 @@ ADMIN_PATHS = ("/metrics", "/status", "/status/history")
 # An SSE event ends at a blank line; the relay forwards whole events only (see _relay_stream).
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 _MAX_PARTIAL_EVENT = 64 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class ProxySettings:
-    upstream_url: str
-    max_body_bytes: int = 4 * 1024 * 1024
-    default_max_tokens: int = 256  # KV estimate for requests that name no max_tokens
-    max_tokens_limit: int = 131_072
-    connect_timeout_s: float = 5.0
-    headers_timeout_s: float = 600.0  # a non-streamed answer sends headers only when done
-    read_timeout_s: float = 120.0  # longest upstream silence once the answer has begun
-    client_timeout_s: float = 60.0  # longest a client may take to send its body or take a chunk
-    api_keys: ApiKeys | None = field(default=None, repr=False)  # None: no client auth
-    upstream_api_key: str | None = field(default=None, repr=False)  # replaces the client's
-    admin_on_main: bool = True  # False: /metrics and /status live on the admin app only
 
 
 class _UpstreamFailed(Exception):
@@ -112,10 +97,13 @@ def _is_json_error(body: bytes) -> bool:
 
 
 class ProxyHandlers:
-    def __init__(self, gov: Governor, settings: ProxySettings) -> None:
+    def __init__(
+        self, gov: Governor, settings: ProxySettings, api_keys: ApiKeys | None = None
+    ) -> None:
         self.gov = gov
         self.settings = settings
-        self.upstream = settings.upstream_url.rstrip("/")
+        self.api_keys = api_keys
+        self.upstream = settings.upstream_url
         self.session: aiohttp.ClientSession | None = None
 
     def _url(self, request: web.Request) -> str:
@@ -132,7 +120,7 @@ class ProxyHandlers:
         With client keys on, the client's Authorization is the proxy's key: it is not passed on.
         """
         out = _forward_headers(request.headers)
-        if self.settings.upstream_api_key is not None or self.settings.api_keys is not None:
+        if self.settings.upstream_api_key is not None or self.api_keys is not None:
             out = {k: v for k, v in out.items() if k.lower() != "authorization"}
         if self.settings.upstream_api_key is not None:
             out["Authorization"] = f"Bearer {self.settings.upstream_api_key}"
@@ -488,9 +476,10 @@ def create_app(
     gov: Governor, settings: ProxySettings, *, session: aiohttp.ClientSession | None = None
 ) -> web.Application:
     """The proxy as an aiohttp application; run it with handler_cancellation=True."""
-    middlewares = [auth_middleware(settings.api_keys)] if settings.api_keys is not None else []
+    keys = ApiKeys.load(settings.api_keys, settings.api_keys_file)
+    middlewares = [auth_middleware(keys)] if keys is not None else []
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
-    h = ProxyHandlers(gov, settings)
+    h = ProxyHandlers(gov, settings, keys)
     app[GOVERNOR] = gov
 
     async def lifecycle(app: web.Application) -> Any:

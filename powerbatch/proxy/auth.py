@@ -8,6 +8,7 @@ in logs or reprs: the proxy logs no request headers, and `ApiKeys` prints only h
 from __future__ import annotations
 
 import hmac
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from powerbatch.proxy.errors import error_response
 
 # Liveness and readiness probes stay open: orchestrators call them without credentials.
 PUBLIC_PATHS = frozenset({"/health", "/ready"})
+# A comment runs from `#` at the start of a line or after whitespace to the end of the line.
+_COMMENT = re.compile(r"(^|\s)#.*$")
 
 
 class ApiKeys:
@@ -36,18 +39,27 @@ class ApiKeys:
         self._keys = tuple(k.encode() for k in cleaned)
 
     @classmethod
-    def load(cls, keys: str | None = None, path: str | None = None) -> ApiKeys | None:
-        """From a comma-separated list and/or a file (a key a line, `#` comments); else None."""
-        found: list[str] = []
-        if keys:
-            found += keys.split(",")
+    def load(cls, keys: Iterable[str] = (), path: str | None = None) -> ApiKeys | None:
+        """From a list and/or a file (a key a line, `#` comments); None when neither is given.
+
+        A bad key in the file is reported with its file and line; the key itself never is.
+        """
+        found = [k for k in keys if k.strip()]
         if path:
             try:
                 lines = Path(path).read_text().splitlines()
             except OSError as exc:
                 raise ConfigError(f"cannot read API key file {path}: {exc.strerror}") from exc
-            found += [ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-        if not keys and not path:
+            for number, line in enumerate(lines, 1):
+                key = _COMMENT.sub("", line).strip()
+                if not key:
+                    continue
+                try:
+                    cls([key])
+                except ConfigError as exc:
+                    raise ConfigError(f"{path}:{number}: {exc}") from None
+                found.append(key)
+        if not found and not path:
             return None
         return cls(found)
 

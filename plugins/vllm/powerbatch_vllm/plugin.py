@@ -37,7 +37,7 @@ def register() -> None:
     cfg = load_config()
     log.info(
         "powerbatch-vllm ready: ceiling %.0f W, power source %s, mode %s",
-        cfg.ceiling_w,
-        cfg.power_source,
-        cfg.mode,
+        cfg.control.ceiling_w,
+        cfg.power.power_source,
+        cfg.control.mode,
     )

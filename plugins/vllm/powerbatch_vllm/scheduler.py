@@ -90,15 +90,15 @@ class _PowerbatchMixin:
         s.kv_cache_manager.allocate_slots = self._pb_wrap_allocate(
             s.kv_cache_manager.allocate_slots
         )
-        if not self._pb_caps.chunked_prefill and cfg.prefill_pacing:
+        if not self._pb_caps.chunked_prefill and cfg.control.prefill_pacing:
             log.warning("powerbatch-vllm: chunked prefill is off, so prefill is not paced")
         self._pb.start()
         log.info(
             "powerbatch-vllm %s: ceiling %.0f W, power source %s, mode %s; vLLM caps %s",
             type(self).__name__,
-            cfg.ceiling_w,
-            cfg.power_source,
-            cfg.mode,
+            cfg.control.ceiling_w,
+            cfg.power.power_source,
+            cfg.control.mode,
             self._pb_caps,
         )
 

@@ -1,0 +1,28 @@
+"""The admission queue's settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from powerbatch.admission.priority import DEFERRABLE, PRIORITIES
+from powerbatch.settings import check_bounds, setting
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSettings:
+    """Admission queue: how much may wait, and for how long"""
+
+    max_queue_len: int = setting(1_000, "requests waiting, all classes", ge=0)
+    max_wait_s: float = setting(
+        30.0, "longest wait in the queue, s (low class: 10x with valley fill)", gt=0
+    )
+    valley_fill: bool = setting(False, "hold deferrable (low) work for power troughs")
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+
+    def waits_s(self) -> dict[str, float]:
+        """The longest wait per class: deferrable work may wait for a trough."""
+        waits = dict.fromkeys(PRIORITIES, self.max_wait_s)
+        waits[DEFERRABLE] = self.max_wait_s * (10 if self.valley_fill else 1)
+        return waits

@@ -1,0 +1,62 @@
+"""Every setting of `powerbatch serve`: the sections of each layer, gathered into one surface.
+
+Flags, `POWERBATCH_*` variables, TOML keys (top level or a `[powerbatch]` table of the file
+named by `--config` or `POWERBATCH_CONFIG`) and the reference table in docs/operations.md
+(`powerbatch config-reference`) all come from these dataclasses; see `powerbatch.settings`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from powerbatch.admission.priority import PRIORITIES
+from powerbatch.admission.settings import AdmissionSettings
+from powerbatch.control.config import ControlConfig, TraceSettings
+from powerbatch.errors import ConfigError
+from powerbatch.proxy.settings import ProxySettings
+from powerbatch.settings import Surface, setting
+from powerbatch.telemetry.settings import PowerSettings
+
+
+@dataclass(frozen=True, slots=True)
+class ServeSettings:
+    """Process: logging and the optional hardware backstop"""
+
+    control: ControlConfig
+    power: PowerSettings
+    proxy: ProxySettings
+    admission: AdmissionSettings
+    trace: TraceSettings = field(default_factory=TraceSettings)
+    hardware_backstop: bool = setting(
+        False,
+        "also set the GPUs' NVML power limit to the ceiling, restored on exit (needs nvml, root)",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = setting("info", "logging level")
+
+    def __post_init__(self) -> None:
+        self.power.check_ceiling(self.control.ceiling_w)
+        if self.power.power_source == "model":
+            raise ConfigError(
+                "power_source model is the vLLM plugin's (it reads the engine's steps); the "
+                "proxy takes auto, nvml, dcgm or replay"
+            )
+        if self.hardware_backstop and self.power.power_source not in ("nvml", "auto"):
+            raise ConfigError("hardware_backstop sets the limit through NVML: it needs nvml")
+        unknown = sorted(set(self.control.interactive_classes) - set(PRIORITIES))
+        if unknown:
+            raise ConfigError(
+                f"interactive_classes: unknown classes {', '.join(unknown)} "
+                f"(the classes are {', '.join(PRIORITIES)})"
+            )
+
+
+SERVE = Surface(
+    ServeSettings,
+    env_prefix="POWERBATCH_",
+    config_env="POWERBATCH_CONFIG",
+    table="powerbatch",
+    # The container's health check URL (Dockerfile) and the plugin's own settings.
+    other_env=("POWERBATCH_HEALTH_URL",),
+    other_prefixes=("POWERBATCH_VLLM_",),
+)

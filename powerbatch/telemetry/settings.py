@@ -1,0 +1,77 @@
+"""Where watts come from: the power source's settings, shared by the proxy and the vLLM plugin."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from powerbatch.errors import ConfigError
+from powerbatch.settings import check_bounds, setting
+
+SourceKind = Literal["auto", "nvml", "dcgm", "replay", "model"]
+
+
+@dataclass(frozen=True, slots=True)
+class PowerSettings:
+    """Power source: where watts come from and when a reading is trusted"""
+
+    power_source: SourceKind = setting(
+        "auto",
+        "where watts come from: auto (NVML where it sees the GPUs, else the dcgm-exporter "
+        "endpoint), nvml, dcgm, replay (proxy: a recorded trace) or model (plugin: the "
+        "simulator's power model fed with the engine's real steps)",
+    )
+    gpus: tuple[str, ...] = setting(
+        ("0",), "GPU indices (nvml) or `gpu` label values (dcgm), comma-separated or a list"
+    )
+    dcgm_url: str | None = setting(
+        None,
+        "dcgm-exporter /metrics URL",
+        default_doc="the upstream's /metrics (proxy); required for dcgm in the plugin",
+    )
+    dcgm_metric: str = setting("DCGM_FI_DEV_POWER_USAGE", "power metric to sum over the GPUs")
+    replay_trace: str | None = setting(None, "CSV trace for power_source replay")
+    power_interval_s: float = setting(0.1, "power polling interval, s", gt=0, le=10)
+    stale_after_s: float = setting(
+        1.0, "a reading older than this fails the controller closed, s", gt=0
+    )
+    max_plausible_w: float | None = setting(
+        None, "readings above this are garbage, watts", gt=0, default_doc="3 x the ceiling"
+    )
+    startup_probe_s: float = setting(
+        15.0,
+        "at start-up, wait this long for a first good reading, then refuse to start; 0: skip",
+        ge=0,
+    )
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+        if not self.gpus:
+            raise ConfigError("gpus must name at least one GPU")
+        if self.power_source == "replay" and not self.replay_trace:
+            raise ConfigError("power_source replay needs replay_trace (--replay-trace)")
+        if self.stale_after_s < self.power_interval_s:
+            raise ConfigError(
+                f"stale_after_s ({self.stale_after_s:g} s) is shorter than the polling "
+                f"interval ({self.power_interval_s:g} s): every reading would be stale"
+            )
+
+    def gpu_indices(self) -> list[int]:
+        """The GPUs as NVML indices."""
+        try:
+            return [int(g) for g in self.gpus]
+        except ValueError:
+            raise ConfigError(
+                f"gpus must be integers for NVML, got {','.join(self.gpus)}"
+            ) from None
+
+    def plausible_w(self, ceiling_w: float) -> float:
+        return self.max_plausible_w if self.max_plausible_w is not None else 3.0 * ceiling_w
+
+    def check_ceiling(self, ceiling_w: float) -> None:
+        """Cross-check with the controller's ceiling (called by each surface)."""
+        if self.max_plausible_w is not None and self.max_plausible_w <= ceiling_w:
+            raise ConfigError(
+                f"max_plausible_w ({self.max_plausible_w:g} W) must be above the ceiling "
+                f"({ceiling_w:g} W): every reading near the ceiling would be thrown away"
+            )
