@@ -165,3 +165,40 @@ def test_key_file_errors_name_file_and_line_and_comments_are_allowed(tmp_path: P
     f.write_text("sk-one\nsk two\n")
     with pytest.raises(ConfigError, match=f"{f}:2:"):
         ApiKeys.load((), str(f))
+
+
+def test_an_upstream_without_power_metrics_refuses_to_start() -> None:
+    """A real vLLM's /metrics has no DCGM power: say so and name the fix, never serve blind."""
+    import asyncio
+
+    from aiohttp import web
+
+    from powerbatch.cli.serve import serve
+
+    async def vllm_metrics(request: web.Request) -> web.Response:
+        return web.Response(
+            text="# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n"
+        )
+
+    async def go() -> str:
+        app = web.Application()
+        app.router.add_get("/metrics", vllm_metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            s = load(
+                SERVE,
+                overrides={"upstream": url, "ceiling_w": 550, "startup_probe_s": 0.5, "port": 1},
+            )
+            with pytest.raises(ConfigError) as err:
+                await serve(s, stop=asyncio.Event())
+            return str(err.value)
+        finally:
+            await runner.cleanup()
+
+    message = asyncio.run(go())
+    assert "DCGM_FI_DEV_POWER_USAGE" in message
+    assert "--power-source nvml" in message and "--dcgm-url" in message

@@ -310,11 +310,14 @@ def test_serve_takes_the_prior_from_nvml_unless_told(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(
         serve, "default_power_limit_w", lambda g: default_power_limit_w(g, nvml=nvml)
     )
-    o = {"max_w": None, "power_source": "nvml", "gpus": "0", "ceiling_w": 600.0}
+    from powerbatch.cli.settings import SERVE
+    from powerbatch.settings import load
 
     def chosen(**kw: object) -> float | None:
-        oo = o | kw
-        return prior_max_w(oo["max_w"], serve.device_max_w(oo), oo["ceiling_w"])  # type: ignore[arg-type]
+        flat = {"upstream": "http://127.0.0.1:9", "ceiling_w": 600.0, "power_source": "nvml"}
+        s = load(SERVE, overrides=flat | kw)
+        device_w = serve.device_max_w(s, s.power.power_source)
+        return prior_max_w(s.control.max_w, device_w, s.control.ceiling_w)
 
     assert chosen() == pytest.approx(700.0)
     assert chosen(max_w=800.0) == 800.0  # the operator's figure wins
