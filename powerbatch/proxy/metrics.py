@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from powerbatch.admission import PRIORITIES
+from powerbatch.admission import PRIORITIES, REJECTION_REASONS
 from powerbatch.control.metrics import ControlMetrics
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
@@ -67,7 +67,8 @@ class ProxyMetrics(ControlMetrics):
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        # Create every labelled child up front so dashboards see zeros, not gaps.
+        # Create every labelled child up front so dashboards see zeros, not gaps, and rate()
+        # sees a counter's first increase: a series born at 1 has no earlier sample to rise from.
         for p in PRIORITIES:
             self.queue_length.labels(p)
             self.output_tokens.labels(p)
@@ -75,3 +76,5 @@ class ProxyMetrics(ControlMetrics):
                 hist.labels(p)
             for outcome in ("ok", "upstream_error", "cancelled", "rejected", "bad_request"):
                 self.requests.labels(p, outcome)
+            for reason in REJECTION_REASONS:
+                self.rejections.labels(p, reason)
