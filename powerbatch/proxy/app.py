@@ -104,6 +104,16 @@ def _usage_completion_tokens(tail: bytes) -> int | None:
     return None
 
 
+def _upstream_outcome(status: int) -> str:
+    """The outcome of a non-200 upstream answer.
+
+    A 4xx is the upstream refusing this request (unknown model, `n` it does not support): the
+    client's mistake relayed, which an alert on upstream failures must not page for. RFC 9110
+    section 15.5 puts every 4xx on the client's side.
+    """
+    return "upstream_client_error" if 400 <= status < 500 else "upstream_error"
+
+
 def _is_json_error(body: bytes) -> bool:
     try:
         return isinstance(json.loads(body), dict)
@@ -267,7 +277,7 @@ class ProxyHandlers:
                 tokens = int(json.loads(body)["usage"]["completion_tokens"])
             self._record(priority, t0, first_s=now, last_s=now, tokens=tokens, ok=True)
         else:
-            m.requests.labels(priority, "upstream_error").inc()
+            m.requests.labels(priority, _upstream_outcome(up.status)).inc()
             if up.status >= 500 and not _is_json_error(body):
                 # A crashed server or a load balancer in between: say so in the OpenAI shape.
                 snippet = body[:200].decode("utf-8", "replace")

@@ -11,6 +11,17 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 1
 _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
 
 
+OUTCOMES = (
+    "ok",
+    "upstream_error",  # the upstream failed: 5xx, unreachable, timed out, broke off
+    "upstream_client_error",  # the upstream refused the request with a 4xx, relayed as is
+    "cancelled",
+    "rejected",
+    "bad_request",
+)
+"""Every `outcome` of powerbatch_requests_total."""
+
+
 class ProxyMetrics(ControlMetrics):
     """The controller's gauges plus what only a proxy sees: requests, queue, latency."""
 
@@ -74,7 +85,7 @@ class ProxyMetrics(ControlMetrics):
             self.output_tokens.labels(p)
             for hist in (self.ttft_s, self.tpot_s, self.e2e_s, self.queue_wait_s):
                 hist.labels(p)
-            for outcome in ("ok", "upstream_error", "cancelled", "rejected", "bad_request"):
+            for outcome in OUTCOMES:
                 self.requests.labels(p, outcome)
             for reason in REJECTION_REASONS:
                 self.rejections.labels(p, reason)
