@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import time
 import uuid
@@ -47,6 +48,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_TOKENS = 256
+_log = logging.getLogger("powerbatch.sim")
 ENGINE_KEY = web.AppKey("sim_engine", SimEngine)
 _WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " sed", " do", " magna")
 _TRACE_FIELDS = tuple(f.name for f in fields(StepRecord))
@@ -665,6 +667,8 @@ async def run_sim_server(
         stream_interval_tokens=stream_interval_tokens,
         max_model_len=max_model_len,
     )
+    # The operator's (and a script's) sign that the port is open; with port 0, the port chosen.
+    _log.info("powerbatch sim listening on %s (model %s)", server.url, model_name)
     try:
         await asyncio.Event().wait()
     finally:
