@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from powerbatch.admission.priority import DEFERRABLE, PRIORITIES, rank
 from powerbatch.control import Limits
 
-
 REJECTION_REASONS = ("queue_full", "queue_timeout", "shed", "draining")
 """Every `Rejected.reason`: the proxy creates a metric series for each at start-up."""
 
