@@ -218,10 +218,10 @@ def parse_value(kind: Any, raw: Any) -> Any:
     origin = typing.get_origin(kind)
     if origin is Literal:
         choices = typing.get_args(kind)
-        text = str(raw).strip() if not isinstance(raw, bool) else raw
-        if text not in choices:
+        choice = raw.strip() if isinstance(raw, str) else raw
+        if choice not in choices:
             raise ValueError(f"must be one of {', '.join(map(str, choices))}, got {raw!r}")
-        return text
+        return choice
     if origin is tuple:
         item = typing.get_args(kind)[0]
         if isinstance(raw, str):
@@ -234,9 +234,9 @@ def parse_value(kind: Any, raw: Any) -> Any:
     if kind is bool:
         if isinstance(raw, bool):
             return raw
-        text = raw.strip().lower() if isinstance(raw, str) else None
-        if text in _TRUE or text in _FALSE:
-            return text in _TRUE
+        word = raw.strip().lower() if isinstance(raw, str) else ""
+        if word in _TRUE or word in _FALSE:
+            return word in _TRUE
         raise ValueError(f"must be true or false, got {raw!r}")
     if kind is int:
         if isinstance(raw, bool | float):

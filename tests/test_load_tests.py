@@ -10,7 +10,11 @@ import asyncio
 import json
 import random
 import sys
+import threading
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -22,6 +26,7 @@ LOAD_TESTS = Path(__file__).resolve().parents[1] / "load_tests"
 sys.path.insert(0, str(LOAD_TESTS))
 
 from pbload import schedule  # noqa: E402
+from pbload.server import StartupError, auth_headers, discover  # noqa: E402
 from pbload.sse import StreamMeter  # noqa: E402
 from pbload.workload import CHAT_PATH, Mix, Workload  # noqa: E402
 from summarize import summarize  # noqa: E402
@@ -165,3 +170,46 @@ def test_steady_profile_smoke_against_the_simulator_through_the_proxy(tmp_path: 
     assert all(0.1 < st["mean"] < 10_000 for st in ttft)  # ms: the sim's prefill, plus queueing
     assert all(0.5 < st["mean"] < 500 for st in tpot)  # ms per token: a few per decode step
     assert all(st["mean"] > 1 for st in m["TOK/S"].values())
+
+
+@contextmanager
+def _keyed_models_server(key: str) -> Iterator[str]:
+    """A /v1/models on loopback that answers 401 without `Bearer <key>`, as vLLM --api-key does."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.headers.get("Authorization") != f"Bearer {key}":
+                status, body = 401, {"error": {"message": "Unauthorized", "code": 401}}
+            else:
+                status, body = 200, {"data": [{"id": "keyed-model", "max_model_len": 4096}]}
+            raw = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args: object) -> None:
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_users_send_pb_api_key_and_a_401_at_start_blames_the_key() -> None:
+    assert auth_headers({}) == {}
+    assert auth_headers({"PB_API_KEY": "sk-1"}) == {"Authorization": "Bearer sk-1"}
+    with _keyed_models_server("sk-1") as url:
+        for env, says in (({}, "PB_API_KEY is unset"), ({"PB_API_KEY": "bad"}, "was refused")):
+            with pytest.raises(StartupError) as err:
+                discover(url, env)
+            assert "401" in str(err.value) and "PB_API_KEY" in str(err.value), err.value
+            assert says in str(err.value) and "PB_MODEL" not in str(err.value)
+        assert discover(url, {"PB_API_KEY": "sk-1"}) == ("keyed-model", 4096)
+        assert discover(url, {"PB_MODEL": "m", "PB_MAX_MODEL_LEN": "100"}) == ("m", 100)

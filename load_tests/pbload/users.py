@@ -28,6 +28,7 @@ import requests
 from locust import User, events, task
 from locust.env import Environment
 
+from pbload.server import auth_headers, discover
 from pbload.sse import StreamMeter
 from pbload.workload import Mix, Workload
 
@@ -42,18 +43,9 @@ class HTTPStatusError(Exception):
 def _discover(environment: Environment, **_: Any) -> None:
     """Ask the server (through the proxy, which passes /v1/models on) for the model name and
     context length, unless PB_MODEL / PB_MAX_MODEL_LEN name them."""
-    model = os.environ.get("PB_MODEL")
-    max_len = os.environ.get("PB_MAX_MODEL_LEN")
-    if not model or not max_len:
-        host = (environment.host or "").rstrip("/")
-        try:
-            data = requests.get(host + "/v1/models", timeout=10).json()["data"][0]
-            model = model or str(data["id"])
-            max_len = max_len or str(data.get("max_model_len") or 8192)
-        except (requests.RequestException, ValueError, KeyError, IndexError) as exc:
-            raise RuntimeError(f"cannot read {host}/v1/models; set PB_MODEL: {exc}") from exc
+    model, max_len = discover(environment.host or "")
     _SERVER["model"] = model
-    _SERVER["max_model_len"] = int(max_len or 8192)
+    _SERVER["max_model_len"] = max_len
 
 
 events.test_start.add_listener(_discover)  # type: ignore[no-untyped-call]
@@ -71,6 +63,7 @@ class OpenAIUser(User):
         self.rng = random.Random(f"{seed}-{type(self).__name__}-{id(self)}")
         self.session = requests.Session()
         self.session.trust_env = False
+        self.auth = auth_headers()
         self._workload: Workload | None = None
 
     def wait_time(self) -> float:
@@ -95,7 +88,7 @@ class OpenAIUser(User):
     def completion(self) -> None:
         p = self.workload.next(self.rng)
         url = (self.host or "").rstrip("/") + p.path
-        headers = {"Content-Type": "application/json", "x-priority": p.priority}
+        headers = {"Content-Type": "application/json", "x-priority": p.priority, **self.auth}
         start_wall = time.time()
         t0 = time.perf_counter()
         exc: Exception | None = None

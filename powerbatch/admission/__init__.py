@@ -7,12 +7,19 @@ from powerbatch.admission.priority import (
     parse_priority,
     rank,
 )
-from powerbatch.admission.queue import AdmissionQueue, QueueStats, Rejected, Slot
+from powerbatch.admission.queue import (
+    REJECTION_REASONS,
+    AdmissionQueue,
+    QueueStats,
+    Rejected,
+    Slot,
+)
 
 __all__ = [
     "DEFAULT_PRIORITY",
     "DEFERRABLE",
     "PRIORITIES",
+    "REJECTION_REASONS",
     "AdmissionQueue",
     "QueueStats",
     "Rejected",

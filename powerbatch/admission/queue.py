@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from powerbatch.admission.priority import DEFERRABLE, PRIORITIES, rank
 from powerbatch.control import Limits
 
+REJECTION_REASONS = ("queue_full", "queue_timeout", "shed", "draining")
+"""Every `Rejected.reason`: the proxy creates a metric series for each at start-up."""
+
 
 class Rejected(Exception):
     """A request the queue will not serve; maps to an HTTP answer."""
@@ -25,7 +28,7 @@ class Rejected(Exception):
     def __init__(self, status: int, reason: str, message: str, retry_after_s: int | None = None):
         super().__init__(message)
         self.status = status
-        self.reason = reason  # queue_full | queue_timeout | shed | draining
+        self.reason = reason  # one of REJECTION_REASONS
         self.message = message
         self.retry_after_s = retry_after_s
 

@@ -1,4 +1,4 @@
-"""The `powerbatch` command: sim, serve, demo, replay, bench, config-reference."""
+"""The `powerbatch` command: sim, serve, demo, replay, bench, load, config-reference."""
 
 from __future__ import annotations
 
@@ -66,11 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(serve, SERVE)
 
-    from powerbatch.cli import bench, demo, replay
+    from powerbatch.cli import bench, demo, load, replay
 
     demo.add_parser(sub)
     replay.add_parser(sub)
     bench.add_parser(sub)
+    load.add_parser(sub)
     sub.add_parser("config-reference", help="print every serve setting as a markdown table")
     return parser
 

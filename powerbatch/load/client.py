@@ -52,10 +52,17 @@ def chat_body(req: PlannedRequest, model: str) -> bytes:
 
 
 async def send_one(
-    session: aiohttp.ClientSession, base_url: str, req: PlannedRequest, t_run0: float, model: str
+    session: aiohttp.ClientSession,
+    base_url: str,
+    req: PlannedRequest,
+    t_run0: float,
+    model: str,
+    api_key: str | None = None,
 ) -> RequestResult:
     t0 = time.monotonic()
     headers = {"Content-Type": "application/json", "x-priority": req.priority}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
     ttft: float | None = None
     tokens = 0
     try:
@@ -129,8 +136,15 @@ async def run_load(
     model: str = "sim-llama",
     drain_timeout_s: float = 120.0,
     on_result: Callable[[RequestResult], None] | None = None,
+    api_key: str | None = None,
+    concurrency: int | None = None,
 ) -> list[RequestResult]:
-    """Send each planned request at its offset; wait for answers up to drain_timeout_s after."""
+    """Send each planned request at its offset; wait for answers up to drain_timeout_s after.
+
+    With `concurrency`, at most that many are outstanding: a request due while all are busy
+    waits for one to finish (a closed cap on an open schedule, so a slow server is not flooded).
+    """
+    gate = asyncio.Semaphore(concurrency) if concurrency else None
     results: list[RequestResult] = []
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
@@ -139,7 +153,11 @@ async def run_load(
         tasks: set[asyncio.Task[None]] = set()
 
         async def one(req: PlannedRequest) -> None:
-            result = await send_one(session, base_url, req, t_run0, model)
+            if gate is None:
+                result = await send_one(session, base_url, req, t_run0, model, api_key)
+            else:
+                async with gate:
+                    result = await send_one(session, base_url, req, t_run0, model, api_key)
             results.append(result)
             if on_result is not None:
                 on_result(result)

@@ -1,4 +1,4 @@
-"""The aiohttp reverse proxy: OpenAI routes through admission, everything else passed through.
+"""The aiohttp reverse proxy: GPU routes through admission, everything else passed through.
 
 The hot path reads the body once, parses only what the decision needs, waits for a slot, and
 relays the upstream's bytes as they come (SSE chunk by chunk, never buffered whole). The slot is
@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -22,7 +23,12 @@ from powerbatch.admission import DEFAULT_PRIORITY, Rejected, parse_priority
 from powerbatch.proxy.auth import ApiKeys, auth_middleware
 from powerbatch.proxy.errors import error_body, error_response, sse_error_event
 from powerbatch.proxy.governor import Governor
-from powerbatch.proxy.parse import BadRequest, RequestInfo, parse_request
+from powerbatch.proxy.parse import (
+    BadRequest,
+    RequestInfo,
+    parse_pooling_request,
+    parse_request,
+)
 from powerbatch.proxy.settings import ProxySettings
 
 log = logging.getLogger("powerbatch.proxy")
@@ -48,6 +54,22 @@ SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("session", aiohttp.Clien
 
 
 ADMIN_PATHS = ("/metrics", "/status", "/status/history")
+# vLLM's pooling routes (https://docs.vllm.ai/en/stable/serving/online_serving.html): each runs
+# a prefill on the GPU and decodes nothing, so each goes through admission like a completion.
+# A module constant until settings can name routes.
+POOLING_PATHS = (
+    "/v1/embeddings",
+    "/v2/embed",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+)
+# vLLM routes that touch no GPU: relayed as they are, like every other /v1 route.
+METADATA_PATHS = ("/version", "/tokenize", "/detokenize")
 # An SSE event ends at a blank line; the relay forwards whole events only (see _relay_stream).
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 _MAX_PARTIAL_EVENT = 64 * 1024
@@ -87,6 +109,16 @@ def _usage_completion_tokens(tail: bytes) -> int | None:
             except (ValueError, AttributeError, TypeError):
                 return None
     return None
+
+
+def _upstream_outcome(status: int) -> str:
+    """The outcome of a non-200 upstream answer.
+
+    A 4xx is the upstream refusing this request (unknown model, `n` it does not support): the
+    client's mistake relayed, which an alert on upstream failures must not page for. RFC 9110
+    section 15.5 puts every 4xx on the client's side.
+    """
+    return "upstream_client_error" if 400 <= status < 500 else "upstream_error"
 
 
 def _is_json_error(body: bytes) -> bool:
@@ -134,6 +166,10 @@ class ProxyHandlers:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._completion(request, chat=False)
 
+    async def pooling(self, request: web.Request) -> web.StreamResponse:
+        """Embeddings, scoring, rerank...: admitted on their prefill, since they draw power too."""
+        return await self._admitted(request, parse_pooling_request, generates=False)
+
     async def _read_body(self, request: web.Request) -> bytes | web.Response:
         """The body, or the answer to give: 413 over the limit, 408 if it trickles in."""
         try:
@@ -154,6 +190,19 @@ class ProxyHandlers:
             )
 
     async def _completion(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        def parse(raw: bytes) -> RequestInfo:
+            return parse_request(
+                raw,
+                chat=chat,
+                default_max_tokens=self.settings.default_max_tokens,
+                max_tokens_limit=self.settings.max_tokens_limit,
+            )
+
+        return await self._admitted(request, parse, generates=True)
+
+    async def _admitted(
+        self, request: web.Request, parse: Callable[[bytes], RequestInfo], *, generates: bool
+    ) -> web.StreamResponse:
         t0 = time.monotonic()
         m = self.gov.metrics
         try:
@@ -166,12 +215,7 @@ class ProxyHandlers:
             m.requests.labels(priority, "bad_request").inc()
             return raw
         try:
-            info = parse_request(
-                raw,
-                chat=chat,
-                default_max_tokens=self.settings.default_max_tokens,
-                max_tokens_limit=self.settings.max_tokens_limit,
-            )
+            info = parse(raw)
         except BadRequest as exc:
             m.requests.labels(priority, "bad_request").inc()
             return error_response(400, str(exc), param=exc.param, code="invalid_request")
@@ -186,12 +230,18 @@ class ProxyHandlers:
         try:
             m.queue_wait_s.labels(priority).observe(time.monotonic() - t0)
             m.prompt_tokens.inc(info.prompt_tokens)
-            return await self._forward(request, raw, info, priority, t0)
+            return await self._forward(request, raw, info, priority, t0, generates)
         finally:
             slot.release()
 
     async def _forward(
-        self, request: web.Request, raw: bytes, info: RequestInfo, priority: str, t0: float
+        self,
+        request: web.Request,
+        raw: bytes,
+        info: RequestInfo,
+        priority: str,
+        t0: float,
+        generates: bool = True,
     ) -> web.StreamResponse:
         m = self.gov.metrics
         assert self.session is not None
@@ -222,7 +272,7 @@ class ProxyHandlers:
             ctype = up.headers.get("Content-Type", "")
             if info.stream and up.status == 200 and ctype.startswith("text/event-stream"):
                 return await self._relay_stream(request, up, priority, t0)
-            return await self._relay_body(up, priority, t0)
+            return await self._relay_body(up, priority, t0, generates)
 
     async def _read_upstream_body(self, up: aiohttp.ClientResponse) -> bytes:
         """The whole body, failing if the upstream goes silent for read_timeout_s."""
@@ -236,7 +286,7 @@ class ProxyHandlers:
                 return b"".join(parts)
 
     async def _relay_body(
-        self, up: aiohttp.ClientResponse, priority: str, t0: float
+        self, up: aiohttp.ClientResponse, priority: str, t0: float, generates: bool = True
     ) -> web.StreamResponse:
         m = self.gov.metrics
         try:
@@ -249,13 +299,17 @@ class ProxyHandlers:
                 code="upstream_error",
             )
         now = time.monotonic()
-        if up.status == 200:
+        if up.status == 200 and not generates:
+            # No first token and no decode: a TTFT or TPOT sample would mislead the latency SLOs.
+            m.requests.labels(priority, "ok").inc()
+            m.e2e_s.labels(priority).observe(now - t0)
+        elif up.status == 200:
             tokens = None
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 tokens = int(json.loads(body)["usage"]["completion_tokens"])
             self._record(priority, t0, first_s=now, last_s=now, tokens=tokens, ok=True)
         else:
-            m.requests.labels(priority, "upstream_error").inc()
+            m.requests.labels(priority, _upstream_outcome(up.status)).inc()
             if up.status >= 500 and not _is_json_error(body):
                 # A crashed server or a load balancer in between: say so in the OpenAI shape.
                 snippet = body[:200].decode("utf-8", "replace")
@@ -373,7 +427,7 @@ class ProxyHandlers:
     # -- pass-through and operator routes -----------------------------------------------------
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
-        """Other /v1 routes (models, embeddings, ...): relayed whole, bounded by the timeouts."""
+        """Other /v1 routes and vLLM's metadata routes: relayed whole, bounded by the timeouts."""
         assert self.session is not None
         raw = await self._read_body(request)
         if isinstance(raw, web.Response):
@@ -496,6 +550,11 @@ def create_app(
     app.router.add_route("*", "/v1/chat/completions", h.method_not_allowed)
     app.router.add_post("/v1/completions", h.completions)
     app.router.add_route("*", "/v1/completions", h.method_not_allowed)
+    for path in POOLING_PATHS:
+        app.router.add_post(path, h.pooling)
+        app.router.add_route("*", path, h.method_not_allowed)
+    for path in METADATA_PATHS:
+        app.router.add_route("*", path, h.passthrough)
     app.router.add_route("*", "/v1/{tail:.*}", h.passthrough)
     app.router.add_get("/health", h.health)
     app.router.add_get("/ready", h.ready)

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from powerbatch.admission import PRIORITIES
+from powerbatch.admission import PRIORITIES, REJECTION_REASONS
 from powerbatch.control.metrics import ControlMetrics
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
+
+
+OUTCOMES = (
+    "ok",
+    "upstream_error",  # the upstream failed: 5xx, unreachable, timed out, broke off
+    "upstream_client_error",  # the upstream refused the request with a 4xx, relayed as is
+    "cancelled",
+    "rejected",
+    "bad_request",
+)
+"""Every `outcome` of powerbatch_requests_total."""
 
 
 class ProxyMetrics(ControlMetrics):
@@ -67,11 +78,14 @@ class ProxyMetrics(ControlMetrics):
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        # Create every labelled child up front so dashboards see zeros, not gaps.
+        # Create every labelled child up front so dashboards see zeros, not gaps, and rate()
+        # sees a counter's first increase: a series born at 1 has no earlier sample to rise from.
         for p in PRIORITIES:
             self.queue_length.labels(p)
             self.output_tokens.labels(p)
             for hist in (self.ttft_s, self.tpot_s, self.e2e_s, self.queue_wait_s):
                 hist.labels(p)
-            for outcome in ("ok", "upstream_error", "cancelled", "rejected", "bad_request"):
+            for outcome in OUTCOMES:
                 self.requests.labels(p, outcome)
+            for reason in REJECTION_REASONS:
+                self.rejections.labels(p, reason)

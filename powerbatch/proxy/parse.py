@@ -101,3 +101,56 @@ def _parse(raw: bytes, chat: bool, default_max_tokens: int, max_tokens_limit: in
         prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
     )
+
+
+# Fields that carry a pooling request's input in vLLM's pooling APIs (embeddings, pooling,
+# classify, score, rerank, Cohere embed), per https://docs.vllm.ai/en/stable/serving/online_serving.html.
+_POOLING_SINGLE = ("input", "messages", "texts", "inputs", "prompt")
+_POOLING_QUERY = ("query", "queries", "text_1", "data_1")
+_POOLING_DOCS = ("documents", "text_2", "data_2")
+
+
+def _input_len(value: Any) -> int:
+    """Characters of a pooling input: text, chat messages, token ids (one list or several)."""
+    if isinstance(value, list) and value and all(isinstance(x, int) for x in value):
+        return CHARS_PER_TOKEN * len(value)
+    if isinstance(value, list):
+        return sum(_input_len(v) for v in value)
+    return _text_len(value)
+
+
+def _items(value: Any) -> int:
+    """How many inputs a field holds: a list of texts (or of token lists) is one per item."""
+    if isinstance(value, list) and value and not all(isinstance(x, int) for x in value):
+        return len(value)
+    return 1
+
+
+def parse_pooling_request(raw: bytes) -> RequestInfo:
+    """A prefill-only request (embeddings, pooling, classify, score, rerank) sized by its input.
+
+    Nothing is decoded, so max_tokens is 0 and the KV estimate is the prompt alone. A scorer
+    runs the query once per document (vLLM pairs each query with each document for a
+    cross-encoder), so one query against N documents costs N queries' worth of prefill.
+    """
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    if not isinstance(body.get("model", ""), str):
+        raise BadRequest("model must be a string", "model")
+    try:
+        chars = sum(_input_len(body.get(k)) for k in _POOLING_SINGLE)
+        docs = [body[k] for k in _POOLING_DOCS if k in body]
+        for k in _POOLING_QUERY:
+            if k in body:
+                query = body[k]
+                pairs = max((_items(d) for d in docs), default=1)
+                per_query = 1 if _items(query) > 1 else pairs
+                chars += per_query * _input_len(query)
+        chars += sum(_input_len(d) for d in docs)
+    except RecursionError as exc:
+        raise BadRequest("request body is nested too deeply") from exc
+    return RequestInfo(stream=False, prompt_tokens=max(1, chars // CHARS_PER_TOKEN), max_tokens=0)

@@ -95,15 +95,25 @@ class SimRequest:
         "max_tokens",
         "num_computed",
         "num_output",
+        "pooling",
         "preemptions",
         "prompt_tokens",
         "request_id",
     )
 
-    def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int, now_s: float) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        now_s: float,
+        *,
+        pooling: bool = False,
+    ) -> None:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
+        self.pooling = pooling  # prefill only (an embedding): done when the prompt is computed
         self.arrival_s = now_s
         self.num_computed = 0
         self.num_output = 0
@@ -240,9 +250,19 @@ class SimEngine:
     # ---- requests ------------------------------------------------------------------------
 
     def add_request(
-        self, prompt_tokens: int, max_tokens: int, request_id: str | None = None
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        request_id: str | None = None,
+        *,
+        pooling: bool = False,
     ) -> SimRequest:
-        if prompt_tokens < 1 or max_tokens < 1:
+        """Queue a request. `pooling`: prefill only (embeddings), with max_tokens 0: it holds
+        KV for its prompt while it runs and finishes when the prompt is computed, as vLLM's
+        pooling models do, so power and in-flight counts see it."""
+        if pooling and max_tokens != 0:
+            raise RequestTooLarge("a pooling request decodes nothing: max_tokens must be 0")
+        if prompt_tokens < 1 or (max_tokens < 1 and not pooling):
             raise RequestTooLarge("prompt_tokens and max_tokens must be >= 1")
         if self._stopped:
             raise EngineStopped("engine is stopped")
@@ -256,7 +276,7 @@ class SimEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._by_id:
             raise ConfigError(f"duplicate request id {rid!r}")
-        req = SimRequest(rid, prompt_tokens, max_tokens, time.monotonic())
+        req = SimRequest(rid, prompt_tokens, max_tokens, time.monotonic(), pooling=pooling)
         self._by_id[rid] = req
         self._waiting.append(req)
         self._wake.set()
@@ -458,6 +478,11 @@ class SimEngine:
             if req.num_output == 0:
                 self.prompt_tokens_total += req.prompt_tokens
                 req.first_token_s = now_s
+            if req.pooling:
+                self._end(req, "stop")
+                self.requests_finished += 1
+                any_done = True
+                continue
             req.num_output += 1
             self.generation_tokens_total += 1
             if req.num_output >= req.max_tokens:

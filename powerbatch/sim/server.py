@@ -1,8 +1,9 @@
 """An OpenAI-compatible HTTP front for `SimEngine`, shaped like vLLM's API server.
 
 It answers what a proxy and a benchmark touch: chat and text completions (streaming in vLLM's SSE
-format), /v1/models, /health, /metrics with vLLM and dcgm-exporter names (facts, "Reading and
-setting power" and "vLLM facts"), and /sim/* admin routes for the power limit and the step trace.
+format), embeddings (prefill-only jobs), /v1/models, /health, /metrics with vLLM and
+dcgm-exporter names (facts, "Reading and setting power" and "vLLM facts"), and /sim/* admin
+routes for the power limit and the step trace.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import time
 import uuid
@@ -46,6 +48,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_TOKENS = 256
+_log = logging.getLogger("powerbatch.sim")
 ENGINE_KEY = web.AppKey("sim_engine", SimEngine)
 _WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " sed", " do", " magna")
 _TRACE_FIELDS = tuple(f.name for f in fields(StepRecord))
@@ -189,6 +192,58 @@ def _parse(body: Any, *, chat: bool, model_name: str, max_model_len: int) -> _Pa
         stream=stream,
         include_usage=include_usage,
     )
+
+
+EMBEDDING_DIM = 8
+
+
+def _embedding_inputs(body: Any, *, model_name: str, max_model_len: int) -> list[int]:
+    """Prompt tokens of each input of an embeddings request (vLLM's /v1/embeddings shapes)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise ApiError(
+            404, f"The model `{model}` does not exist.", param="model", err_type="NotFoundError"
+        )
+    fmt = body.get("encoding_format", "float")
+    if fmt != "float":
+        raise ApiError(400, "the simulator only answers encoding_format 'float'", param="input")
+    value = body.get("input")
+    items: list[Any]
+    if isinstance(value, str) or (
+        isinstance(value, list) and value and all(isinstance(x, int) for x in value)
+    ):
+        items = [value]
+    elif isinstance(value, list) and value:
+        items = value
+    else:
+        raise ApiError(
+            400, "'input' must be a string, token ids, or a non-empty list", param="input"
+        )
+    sizes = []
+    for item in items:
+        if isinstance(item, str):
+            sizes.append(_count_tokens(item))
+        elif isinstance(item, list) and item and all(isinstance(x, int) for x in item):
+            sizes.append(len(item))
+        else:
+            raise ApiError(400, "each input must be a string or a list of token ids", param="input")
+        if sizes[-1] > max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. "
+                f"However, your input has {sizes[-1]} tokens.",
+                param="input",
+            )
+    return sizes
+
+
+def _embedding(seed: int) -> list[float]:
+    """A unit vector that depends on its input's size only: cheap, and the same every run."""
+    raw = [math.sin(seed * (i + 1) + i) for i in range(EMBEDDING_DIM)]
+    norm = math.sqrt(sum(x * x for x in raw)) or 1.0
+    return [x / norm for x in raw]
 
 
 async def _json_body(request: web.Request) -> Any:
@@ -350,6 +405,49 @@ class _Handlers:
             await resp.write_eof()
         return resp
 
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        """A prefill-only job per input, as vLLM runs a pooling model: it holds KV and draws
+        prefill power while it runs, and produces no output tokens."""
+        sizes = _embedding_inputs(
+            await _json_body(request), model_name=self.model_name, max_model_len=self.max_model_len
+        )
+        reqs: list[SimRequest] = []
+        try:
+            for n in sizes:
+                try:
+                    reqs.append(self.engine.add_request(n, 0, pooling=True))
+                except (QueueFull, EngineStopped) as exc:
+                    raise ApiError(503, str(exc), err_type="ServiceUnavailableError") from exc
+                except RequestTooLarge as exc:
+                    raise ApiError(400, str(exc)) from exc
+            for req in reqs:
+                try:
+                    await req.wait_tokens(1)
+                except EngineStopped as exc:
+                    raise ApiError(503, str(exc), err_type="ServiceUnavailableError") from exc
+                if req.finish_reason != "stop":
+                    raise ApiError(
+                        500, f"request ended early: {req.finish_reason}", err_type="InternalError"
+                    )
+        finally:
+            for req in reqs:
+                if not req.finished:  # the client went away
+                    self.engine.abort(req)
+        tokens = sum(sizes)
+        return web.json_response(
+            {
+                "id": f"embd-{uuid.uuid4().hex}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": self.model_name,
+                "data": [
+                    {"index": i, "object": "embedding", "embedding": _embedding(n)}
+                    for i, n in enumerate(sizes)
+                ],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            }
+        )
+
     # ---- plain routes --------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.StreamResponse:
@@ -506,6 +604,7 @@ def create_sim_app(
     app.on_cleanup.append(on_cleanup)
     app.router.add_post("/v1/chat/completions", h.chat)
     app.router.add_post("/v1/completions", h.completions)
+    app.router.add_post("/v1/embeddings", h.embeddings)
     app.router.add_get("/v1/models", h.models)
     app.router.add_get("/health", h.health)
     app.router.add_get("/metrics", metrics)
@@ -568,6 +667,8 @@ async def run_sim_server(
         stream_interval_tokens=stream_interval_tokens,
         max_model_len=max_model_len,
     )
+    # The operator's (and a script's) sign that the port is open; with port 0, the port chosen.
+    _log.info("powerbatch sim listening on %s (model %s)", server.url, model_name)
     try:
         await asyncio.Event().wait()
     finally:
