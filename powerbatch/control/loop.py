@@ -113,10 +113,9 @@ class TickRecord:
         )
 
 
-HISTORY_COLUMNS: tuple[str, ...] = tuple(
-    n
-    for n in TickRecord.__dataclass_fields__
-    if n != "features"  # flattened into feature_* by as_dict
+HISTORY_COLUMNS: tuple[str, ...] = (
+    *(n for n in TickRecord.__dataclass_fields__ if n != "features"),
+    *(f"feature_{n}" for n in Features.__dataclass_fields__),
 )
 
 
@@ -390,8 +389,7 @@ class ControlLoop:
     def history_columns(self, since_s: float = -math.inf) -> dict[str, list[Any]]:
         """The history as columns (one list per field), for plots."""
         rows = self.history_rows(since_s)
-        names = list(rows[0]) if rows else [*HISTORY_COLUMNS]
-        return {c: [r[c] for r in rows] for c in names}
+        return {c: [r[c] for r in rows] for c in HISTORY_COLUMNS}
 
     def status(self) -> dict[str, Any]:
         """The JSON status, one shape for every host; strict JSON (no NaN)."""
