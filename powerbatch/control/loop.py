@@ -447,4 +447,3 @@ class ControlLoop:
                 doc[key] = section
         result: dict[str, Any] = json_safe(doc)
         return result
-

@@ -85,7 +85,10 @@ class ProxyFeatures:
     def status_extra(self) -> dict[str, Any]:
         q, up = self.queue, self.upstream
         return {
-            "queue": {
+            "queue": {  # live, not as of the last tick: operators and tests read it after work
+                "in_flight": q.in_flight,
+                "kv_tokens_in_flight": float(q.kv_in_flight),
+                "waiting": q.queued,
                 "queued": q.queued_by_class(),
                 "admitted_total": q.stats.admitted_total,
                 "draining": q.draining,

@@ -53,6 +53,18 @@ def make_power_source(cfg: PluginConfig, caps: EngineCaps, stats: StepStats) -> 
     return ModelPowerSource(features, cfg.model_profile, kv_capacity_tokens=max(caps.kv_tokens, 1))
 
 
+def _trace_writer(path: str | None) -> TraceWriter | None:
+    """The trace's writer, or None (logged) where the file cannot be opened: the ceiling
+    matters more than its record."""
+    if not path:
+        return None
+    try:
+        return TraceWriter(path)
+    except OSError as exc:
+        log.error("powerbatch-vllm cannot write the control trace to %s: %s", path, exc)
+        return None
+
+
 class EngineFeatures:
     """The engine's exact counts as the loop's feature source."""
 
@@ -60,10 +72,9 @@ class EngineFeatures:
         self, stats: StepStats, caps: EngineCaps, metrics: PluginMetrics, sink: EngineSink
     ) -> None:
         self.stats, self.caps, self.metrics, self.sink = stats, caps, metrics, sink
-        self._snap: dict[str, float] = stats.snapshot()
 
     def sample(self) -> HostSample:
-        snap = self._snap = self.stats.snapshot()
+        snap = self.stats.snapshot()
         usage = snap["kv_blocks_used"] / max(self.caps.num_kv_blocks, 1)
         m = self.metrics
         m.running.set(snap["running"])
@@ -84,8 +95,13 @@ class EngineFeatures:
         return self.stats.latency(t_s)
 
     def status_extra(self) -> dict[str, Any]:
-        snap, caps, lim = self._snap, self.caps, self.sink.limits
+        snap, caps, lim = self.stats.snapshot(), self.caps, self.sink.limits
         return {
+            "queue": {  # live, not as of the last tick
+                "in_flight": int(snap["running"]),
+                "kv_tokens_in_flight": snap["kv_committed_tokens"],
+                "waiting": int(snap["waiting"]),
+            },
             "engine": {
                 "limits": {
                     "max_active_reqs": lim.max_active_reqs,
@@ -204,7 +220,7 @@ class ControlThread:
             m,
             source_averages=averaged,
             history_len=history_len,
-            trace=TraceWriter(cfg.trace_path) if cfg.trace_path else None,
+            trace=_trace_writer(cfg.trace_path),
         )
         self.dp_rank = dp_rank
         self._stop = threading.Event()
