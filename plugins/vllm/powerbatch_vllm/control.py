@@ -116,7 +116,7 @@ class EngineFeatures:
                     "block_size": caps.block_size,
                 },
                 "counters": dict(snap),
-            }
+            },
         }
 
 
