@@ -58,7 +58,7 @@ def test_wall_clock_stamps_with_monotonic_time() -> None:
     [
         "t_s,power_w\n0.0,100\n0.1,abc\n",  # not a number
         "t_s,energy_j\n0.0,1\n",  # no power column
-        "t_s,power_w\n0.0,\n",  # empty required value
+        "t_s,power_w\n,100\n",  # empty time
         "t_s,power_w\n0.0,nan\n",  # non-finite power
         "t_s,power_w\n1.0,100\n0.5,100\n",  # time goes backwards
     ],
@@ -68,6 +68,16 @@ def test_malformed_csv_raises_replay_error_at_construction(tmp_path: Path, text:
     path.write_text(text)
     with pytest.raises(ReplayError):
         ReplayPowerSource(path)
+
+
+def test_rows_without_power_are_skipped(tmp_path: Path) -> None:
+    """A tick recorded while failed closed has no power: nothing to replay, not an error."""
+    path = tmp_path / "trace.csv"
+    path.write_text("t_s,power_w\n0.0,100\n0.1,\n0.2,120\n")
+    source = ReplayPowerSource(path)
+    assert len(source) == 2
+    assert asyncio.run(source.read()).power_w == 100.0
+    assert asyncio.run(source.read()).power_w == 120.0
 
 
 def test_missing_file_raises_replay_error(tmp_path: Path) -> None:

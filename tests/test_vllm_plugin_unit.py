@@ -235,8 +235,9 @@ def test_over_the_ceiling_shrinks_the_engine_limits() -> None:
     assert ct.limits.max_active_reqs < 32
     assert ct.limits.prefill_tokens_per_step is not None  # paced once a step time is known
     status = ct.status()
-    assert status["limits"]["engine"]["max_active_reqs"] == ct.limits.max_active_reqs
-    assert status["limits"]["configured"]["max_active_reqs"] == 64
+    assert status["engine"]["limits"]["max_active_reqs"] == ct.limits.max_active_reqs
+    assert status["engine"]["configured"]["max_active_reqs"] == 64
+    assert status["limits"]["enforced"]["max_requests"] == ct.last.enforced.max_requests
 
 
 def test_slow_decode_steps_shrink_the_batch_under_the_ceiling() -> None:
@@ -277,7 +278,7 @@ def test_status_endpoint_serves_metrics_and_modelled_power() -> None:
     from powerbatch_vllm.metrics import StatusServer
 
     server = StatusServer(
-        "127.0.0.1", 0, ct.metrics, ct._extra_text, ct.status, lambda: list(ct.history)
+        "127.0.0.1", 0, ct.metrics, ct._extra_text, ct.status, ct.loop.history_rows
     )
     server.start()
     try:

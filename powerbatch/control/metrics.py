@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import math
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from powerbatch.control.controller import BINDINGS, CONSTRAINTS, Decision
 from powerbatch.control.latency import LatencySnapshot
 
-STATES: tuple[str, ...] = ("warmup", "enforce", "observe", "fail_closed")
+STATES: tuple[str, ...] = ("starting", "warmup", "enforce", "observe", "fail_closed")
 
 
 class ControlMetrics:
@@ -22,9 +22,15 @@ class ControlMetrics:
     ) -> None:
         r = self.registry = registry or CollectorRegistry()
         self.states = states
-        self.power_w = Gauge("powerbatch_power_watts", "Measured power, 1-second mean", registry=r)
+        self.power_w = Gauge(
+            "powerbatch_power_watts",
+            "Measured power the controller acted on: 1-second mean (or the source's own average)",
+            registry=r,
+        )
         self.power_raw_w = Gauge(
-            "powerbatch_power_raw_watts", "Latest power sample, outliers removed", registry=r
+            "powerbatch_power_raw_watts",
+            "Latest power sample as the source reported it, unfiltered",
+            registry=r,
         )
         self.predicted_w = Gauge(
             "powerbatch_power_predicted_watts", "Model mean at the chosen batch", registry=r
@@ -74,17 +80,36 @@ class ControlMetrics:
             "powerbatch_latency_p95_seconds", "Sliding-window p95", ["metric"], registry=r
         )
         self.slo_s = Gauge("powerbatch_slo_seconds", "Configured SLO", ["metric"], registry=r)
+        self.feature = Gauge(
+            "powerbatch_feature",
+            "What the power model regresses on, over the last second",
+            ["name"],
+            registry=r,
+        )
+        self.ticks = Counter("powerbatch_control_ticks", "Control decisions made", registry=r)
+        self.tick_errors = Counter(
+            "powerbatch_control_tick_errors", "Ticks that failed (safe limits held)", registry=r
+        )
+        self.ready = Gauge(
+            "powerbatch_ready",
+            "1 once a good power reading has been had and the sensor is good now",
+            registry=r,
+        )
+        for name in ("batch", "kv_tokens", "prefill_tok_s", "decode_tok_s"):
+            self.feature.labels(name)
         for c in CONSTRAINTS:
             self.multiplier.labels(c)
         for b in BINDINGS:
             self.binding.labels(b)
         for s in states:
-            self.state.labels(s)
+            self.state.labels(s).set(1.0 if s == "starting" else 0.0)
+        self.sensor_ok.set(0.0)
+        self.power_w.set(math.nan)
 
     def export_decision(
         self, d: Decision, raw_w: float | None = None, energy_j: float | None = None
     ) -> None:
-        """Set every gauge above from one tick's decision."""
+        """Set every gauge above from one tick's decision; `raw_w` is the unfiltered sample."""
         self.power_w.set(d.power_w if d.power_w is not None else math.nan)
         self.power_raw_w.set(raw_w if raw_w is not None else math.nan)
         self.energy_j.set(energy_j if energy_j is not None else math.nan)

@@ -469,10 +469,14 @@ class ProxyHandlers:
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
-        """Ready when the control loop runs, admission is open and the upstream answers."""
+        """Ready when the control loop runs on a trusted power reading, admission is open and
+        the upstream answers; otherwise 503 with the reasons."""
         problems = []
         if self.gov.last is None:
             problems.append("control loop has not ticked yet")
+        if not self.gov.ready:
+            error = self.gov.monitor.snapshot().error or "no good reading"
+            problems.append(f"power sensor not ready: {error}")
         if self.gov.queue.draining:
             problems.append("draining")
         assert self.session is not None
@@ -483,10 +487,11 @@ class ProxyHandlers:
         except (aiohttp.ClientError, TimeoutError) as exc:
             problems.append(f"upstream unreachable: {exc or type(exc).__name__}")
         status = 503 if problems else 200
-        return web.json_response({"ready": not problems, "problems": problems}, status=status)
+        body = {"ready": not problems, "reason": "; ".join(problems), "problems": problems}
+        return web.json_response(body, status=status)
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.gov.status())
+        return web.json_response(self.gov.status(), dumps=_strict_dumps)
 
     async def history(self, request: web.Request) -> web.Response:
         """The control trace since `since_s` (monotonic), as columns: for plots and bench."""
@@ -494,26 +499,15 @@ class ProxyHandlers:
             since = float(request.query.get("since_s", "-inf"))
         except ValueError:
             return error_response(400, "since_s must be a number", param="since_s")
-        rows = [r for r in self.gov.history if r.t_s > since]
-        cols = (
-            "t_s",
-            "power_w",
-            "raw_w",
-            "predicted_upper_w",
-            "target_w",
-            "limit_requests",
-            "limit_kv_tokens",
-            "prefill_tok_s",
-            "in_flight",
-            "kv_in_flight",
-            "queued",
-            "binding",
-            "state",
-        )
-        return web.json_response({c: [getattr(r, c) for r in rows] for c in cols})
+        return web.json_response(self.gov.loop.history_columns(since), dumps=_strict_dumps)
 
     async def not_found(self, request: web.Request) -> web.Response:
         return error_response(404, f"no route {request.method} {request.path}", code="not_found")
+
+
+def _strict_dumps(obj: Any) -> str:
+    """JSON without NaN or Infinity, which strict parsers (and JavaScript) reject."""
+    return json.dumps(obj, allow_nan=False)
 
 
 def _client_session(settings: ProxySettings) -> aiohttp.ClientSession:

@@ -39,6 +39,7 @@ class ReplayPowerSource:
         else:
             self.name = "replay:rows"
             rows = list(path_or_rows)
+        rows = [r for r in rows if r.power_w is not None]  # ticks recorded while failed closed
         for index, row in enumerate(rows[1:], start=1):
             if row.t_s < rows[index - 1].t_s:
                 raise ReplayError(
@@ -62,6 +63,7 @@ class ReplayPowerSource:
         row = self._rows[self._next]
         self._next += 1
         t_s = row.t_s if self._clock == "trace" else time.monotonic()
+        assert row.power_w is not None  # filtered at construction
         return PowerSample(t_s=t_s, power_w=row.power_w, energy_j=row.energy_j)
 
     async def close(self) -> None:

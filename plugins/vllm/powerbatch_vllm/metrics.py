@@ -16,15 +16,13 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from powerbatch.control.metrics import STATES as CONTROL_STATES
 from powerbatch.control.metrics import ControlMetrics
 
 log = logging.getLogger("vllm.powerbatch")
 
-STATES = ("starting", *CONTROL_STATES)
 KNOBS = ("active_requests", "step_tokens", "kv_blocks")
 
 
@@ -32,7 +30,7 @@ class PluginMetrics(ControlMetrics):
     """The controller's gauges (shared with the proxy) plus what the engine knows exactly."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        super().__init__(registry, STATES)
+        super().__init__(registry)
         r = self.registry
         self.engine_limit = Gauge(
             "powerbatch_engine_limit",
@@ -58,23 +56,11 @@ class PluginMetrics(ControlMetrics):
         self.step_s = Gauge(
             "powerbatch_engine_step_seconds", "Smoothed interval between busy steps", registry=r
         )
-        self.feature = Gauge(
-            "powerbatch_feature",
-            "What the power model regresses on, smoothed",
-            ["name"],
-            registry=r,
-        )
-        self.ticks = Counter("powerbatch_control_ticks", "Control decisions made", registry=r)
-        self.tick_errors = Counter(
-            "powerbatch_control_tick_errors", "Ticks that failed (safe limits held)", registry=r
-        )
-        self.state.labels("starting").set(1.0)
-        self.sensor_ok.set(0.0)
-        self.power_w.set(math.nan)
 
-    def set_one_hot(self, gauge: Gauge, names: tuple[str, ...], active: str) -> None:
-        for n in names:
-            gauge.labels(n).set(1.0 if n == active else 0.0)
+
+def _json(obj: Any) -> bytes:
+    """Strict JSON: the loop writes null for unknown numbers, never NaN."""
+    return json.dumps(obj, allow_nan=False).encode()
 
 
 def dcgm_text(power_w: float | None, gpu: str, model_name: str) -> str:
@@ -110,9 +96,9 @@ class StatusServer:
                         body = generate_latest(outer.metrics.registry) + outer.extra().encode()
                         ctype = CONTENT_TYPE_LATEST
                     elif path == "/status":
-                        body, ctype = json.dumps(outer.status()).encode(), "application/json"
+                        body, ctype = _json(outer.status()), "application/json"
                     elif path == "/history":
-                        body, ctype = json.dumps(outer.history()).encode(), "application/json"
+                        body, ctype = _json(outer.history()), "application/json"
                     else:
                         self.send_error(404)
                         return
