@@ -14,6 +14,7 @@ from aiohttp import web
 from powerbatch.admission import AdmissionQueue
 from powerbatch.cli.settings import ServeSettings
 from powerbatch.control import Controller, Limits, prior_max_w
+from powerbatch.control.loop import open_trace
 from powerbatch.errors import ConfigError, PowerbatchError, TelemetryError
 from powerbatch.proxy import Governor, ProxyMetrics, create_app
 from powerbatch.proxy.app import create_admin_app
@@ -28,7 +29,6 @@ from powerbatch.telemetry import (
     default_power_limit_w,
     nvml_available,
 )
-from powerbatch.telemetry.trace import write_trace
 
 log = logging.getLogger("powerbatch")
 
@@ -183,6 +183,7 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
         ProxyMetrics(),
         upstream_scraper=scraper,
         source_averages=averaged,
+        trace=open_trace(s.trace),
     )
     return create_app(gov, s.proxy), gov
 
@@ -246,9 +247,6 @@ async def serve(s: ServeSettings, stop: asyncio.Event | None = None) -> None:
                 await gov.queue.wait_idle()
         except TimeoutError:
             log.warning("drain grace over with %d still in flight", gov.queue.in_flight)
-        if s.trace.record_trace:
-            n = write_trace(s.trace.record_trace, gov.trace_rows())
-            log.info("wrote %d trace rows to %s", n, s.trace.record_trace)
     finally:
         for r in reversed(runners):
             await r.cleanup()

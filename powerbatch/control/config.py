@@ -185,7 +185,7 @@ class TraceSettings:
     record_trace: str | None = setting(
         None, "append the control trace (CSV, one row per tick) to this file as it runs"
     )
-    trace_rotate_rows: int = setting(
-        90_000, "rows per trace file before it rotates to FILE.1, FILE.2, ... (5 h at 5 Hz)", ge=1
+    trace_rotate_mib: float = setting(
+        64.0, "size at which the trace rotates to FILE.1, FILE.2, ... (~1 day at 5 Hz), MiB", gt=0
     )
-    trace_keep: int = setting(5, "rotated trace files kept besides the current one", ge=0)
+    trace_keep: int = setting(4, "rotated trace files kept besides the current one", ge=0)

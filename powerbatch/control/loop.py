@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+from powerbatch.control.config import TraceSettings
 from powerbatch.control.controller import Controller, Decision, Limits, Observation
 from powerbatch.control.latency import LatencySnapshot
 from powerbatch.control.metrics import ControlMetrics
@@ -167,6 +168,22 @@ def _limits(x: Limits | None) -> dict[str, Any] | None:
         "max_kv_tokens": x.max_kv_tokens,
         "prefill_tok_s": x.prefill_tok_s,
     }
+
+
+def open_trace(settings: TraceSettings) -> TraceWriter | None:
+    """The trace's writer, or None (logged) where the file cannot be opened: the ceiling
+    matters more than its record."""
+    if not settings.record_trace:
+        return None
+    try:
+        return TraceWriter(
+            settings.record_trace,
+            max_bytes=int(settings.trace_rotate_mib * 1024 * 1024),
+            keep=settings.trace_keep,
+        )
+    except OSError as exc:
+        log.error("cannot write the control trace to %s: %s", settings.record_trace, exc)
+        return None
 
 
 class ControlLoop:

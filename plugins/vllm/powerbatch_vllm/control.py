@@ -17,31 +17,49 @@ import threading
 from typing import Any
 
 from powerbatch.control import ControlConfig, Controller, Decision, LatencySnapshot
-from powerbatch.control.loop import ControlLoop, HostSample
+from powerbatch.control.loop import ControlLoop, HostSample, open_trace
+from powerbatch.errors import ConfigError
 from powerbatch.telemetry import (
     NvmlPowerSource,
     PowerMonitor,
     PowerSource,
     PrometheusPowerSource,
     default_power_limit_w,
+    nvml_available,
 )
-from powerbatch.telemetry.trace import TraceWriter
-from powerbatch_vllm.config import PluginConfig
+from powerbatch_vllm.config import ENV_PREFIX, PluginConfig
 from powerbatch_vllm.engine import EngineCaps, EngineLimits, StepStats, engine_limits
 from powerbatch_vllm.metrics import PluginMetrics, StatusServer, dcgm_text
 
 log = logging.getLogger("vllm.powerbatch")
 
 
-def make_power_source(cfg: PluginConfig, caps: EngineCaps, stats: StepStats) -> PowerSource:
+def source_kind(cfg: PluginConfig) -> str:
+    """The configured source; `auto` is NVML where it sees GPUs, else the dcgm-exporter URL."""
+    p = cfg.power
+    if p.power_source != "auto":
+        return p.power_source
+    if nvml_available():
+        return "nvml"
+    if p.dcgm_url:
+        return "dcgm"
+    raise ConfigError(
+        f"{ENV_PREFIX}POWER_SOURCE=auto: NVML sees no GPU here and no {ENV_PREFIX}DCGM_URL is "
+        f"set; set {ENV_PREFIX}POWER_SOURCE=nvml on the GPU node, or {ENV_PREFIX}DCGM_URL to "
+        "the node's dcgm-exporter"
+    )
+
+
+def make_power_source(
+    cfg: PluginConfig, kind: str, caps: EngineCaps, stats: StepStats
+) -> PowerSource:
     """The configured source; `model` reads the engine's own steps through `stats`."""
-    if cfg.power_source == "nvml":
-        return NvmlPowerSource([int(g) for g in cfg.gpu_list])
-    if cfg.power_source == "dcgm":
-        assert cfg.dcgm_url is not None  # PluginConfig checks this
-        return PrometheusPowerSource(
-            cfg.dcgm_url, metric=cfg.dcgm_metric, labels={"gpu": cfg.gpu_list}
-        )
+    p = cfg.power
+    if kind == "nvml":
+        return NvmlPowerSource(p.gpu_indices())
+    if kind == "dcgm":
+        assert p.dcgm_url is not None  # PluginConfig checks this
+        return PrometheusPowerSource(p.dcgm_url, metric=p.dcgm_metric, labels={"gpu": p.gpus})
     # Imported here only: the simulator package brings its HTTP server (aiohttp.web) along,
     # which an engine reading a real sensor has no use for.
     from powerbatch.sim.power_source import ModelPowerSource
@@ -50,19 +68,8 @@ def make_power_source(cfg: PluginConfig, caps: EngineCaps, stats: StepStats) -> 
         batch, prefill, kv_blocks = stats.take_window()
         return round(batch), prefill, round(kv_blocks * caps.block_size)
 
-    return ModelPowerSource(features, cfg.model_profile, kv_capacity_tokens=max(caps.kv_tokens, 1))
-
-
-def _trace_writer(path: str | None) -> TraceWriter | None:
-    """The trace's writer, or None (logged) where the file cannot be opened: the ceiling
-    matters more than its record."""
-    if not path:
-        return None
-    try:
-        return TraceWriter(path)
-    except OSError as exc:
-        log.error("powerbatch-vllm cannot write the control trace to %s: %s", path, exc)
-        return None
+    profile = cfg.engine.model_profile
+    return ModelPowerSource(features, profile, kv_capacity_tokens=max(caps.kv_tokens, 1))
 
 
 class EngineFeatures:
@@ -132,37 +139,39 @@ class EngineSink:
         stats: StepStats,
         metrics: PluginMetrics,
     ) -> None:
-        self.cfg, self.caps, self.stats, self.metrics = cfg, caps, stats, metrics
+        self.engine, self.caps, self.stats, self.metrics = cfg.engine, caps, stats, metrics
+        self.enforce = control.mode == "enforce"
+        self.pace_prefill = control.prefill_pacing
         self.safe_batch = control.safe_batch
         # Until the first tick: warm-up limits, as the controller itself starts.
         self.limits = EngineLimits.unlimited(caps)
-        if cfg.mode == "enforce":
+        if self.enforce:
             self.limits = EngineLimits(
-                control.initial_batch, None, caps.num_kv_blocks, cfg.min_step_tokens
+                control.initial_batch, None, caps.num_kv_blocks, cfg.engine.min_step_tokens
             )
         self._export()
 
     def apply(self, decision: Decision) -> None:
-        if self.cfg.mode == "enforce":
+        if self.enforce:
             step_s = self.stats.step_s
             self.limits = engine_limits(
                 decision.enforced,
                 self.caps,
                 step_s=None if step_s is None or math.isnan(step_s) else step_s,
-                min_step_tokens=self.cfg.min_step_tokens,
-                pace_prefill=self.cfg.prefill_pacing,
-                cap_kv=self.cfg.kv_cap,
+                min_step_tokens=self.engine.min_step_tokens,
+                pace_prefill=self.pace_prefill,
+                cap_kv=self.engine.kv_cap,
             )
         self._export()
 
     def fail_safe(self) -> None:
-        if self.cfg.mode == "enforce":
+        if self.enforce:
             cur = self.limits
             self.limits = EngineLimits(
                 min(cur.max_active_reqs, self.safe_batch),
-                self.cfg.min_step_tokens,
+                self.engine.min_step_tokens,
                 cur.max_kv_blocks,
-                self.cfg.min_step_tokens,
+                self.engine.min_step_tokens,
             )
         self._export()
 
@@ -187,22 +196,22 @@ class ControlThread:
         history_len: int = 36_000,
     ) -> None:
         self.cfg, self.caps, self.stats = cfg, caps, stats
+        self.kind = "custom" if source is not None else source_kind(cfg)
         device_max_w = None
-        if cfg.power_source == "nvml" and cfg.max_w is None and source is None:
-            device_max_w = default_power_limit_w([int(g) for g in cfg.gpu_list])
+        if self.kind == "nvml" and cfg.control.max_w is None:
+            device_max_w = default_power_limit_w(cfg.power.gpu_indices())
         self.control = cfg.control_config(
             engine_max_batch=caps.max_active_reqs,
             max_kv_tokens=caps.kv_tokens,
             device_max_w=device_max_w,
         )
         self.controller = Controller(self.control)
-        self.source = source or make_power_source(cfg, caps, stats)
-        plausible = cfg.max_plausible_w or 3.0 * cfg.ceiling_w
+        self.source = source or make_power_source(cfg, self.kind, caps, stats)
         self.monitor = PowerMonitor(
             self.source,
-            interval_s=cfg.power_interval_s,
-            stale_after_s=cfg.stale_after_s,
-            max_plausible_w=plausible,
+            interval_s=cfg.power.power_interval_s,
+            stale_after_s=cfg.power.stale_after_s,
+            max_plausible_w=cfg.power.plausible_w(cfg.control.ceiling_w),
         )
         self.metrics = m = PluginMetrics()
         m.engine_configured.labels("active_requests").set(caps.max_active_reqs)
@@ -211,7 +220,7 @@ class ControlThread:
         self.sink = EngineSink(cfg, self.control, caps, stats, m)
         self.features = EngineFeatures(stats, caps, m, self.sink)
         # dcgm-exporter's DCGM_FI_DEV_POWER_USAGE is a 1-second mean; its INSTANT field is not.
-        averaged = cfg.power_source == "dcgm" and "INSTANT" not in cfg.dcgm_metric.upper()
+        averaged = self.kind == "dcgm" and "INSTANT" not in cfg.power.dcgm_metric.upper()
         self.loop = ControlLoop(
             self.controller,
             self.monitor,
@@ -220,7 +229,7 @@ class ControlThread:
             m,
             source_averages=averaged,
             history_len=history_len,
-            trace=_trace_writer(cfg.trace_path),
+            trace=open_trace(cfg.trace),
         )
         self.dp_rank = dp_rank
         self._stop = threading.Event()
@@ -242,11 +251,11 @@ class ControlThread:
     # -- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.cfg.metrics_port:
-            port = self.cfg.metrics_port + self.dp_rank
+        if self.cfg.engine.metrics_port:
+            port = self.cfg.engine.metrics_port + self.dp_rank
             try:
                 self._server = StatusServer(
-                    self.cfg.metrics_host,
+                    self.cfg.engine.metrics_host,
                     port,
                     self.metrics,
                     self._extra_text,
@@ -290,12 +299,11 @@ class ControlThread:
         return self.loop.tick(t_s)
 
     def _extra_text(self) -> str:
-        if self.cfg.power_source != "model":
+        if self.kind != "model":
             return ""
-        gpu = (self.cfg.gpu_list or ["0"])[0]
-        return dcgm_text(
-            self.monitor.snapshot().raw_w, gpu, f"powerbatch-model:{self.cfg.model_profile}"
-        )
+        gpu = self.cfg.power.gpus[0]
+        name = f"powerbatch-model:{self.cfg.engine.model_profile}"
+        return dcgm_text(self.monitor.snapshot().raw_w, gpu, name)
 
     def status(self) -> dict[str, Any]:
         return self.loop.status()
