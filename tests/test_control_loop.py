@@ -27,15 +27,22 @@ from powerbatch.cli.replay import replay, summarize
 from powerbatch.control import ControlConfig, Controller, Decision, Limits
 from powerbatch.errors import SensorReadError
 from powerbatch.proxy import Governor, ProxyMetrics, ProxySettings, create_app
+from powerbatch.settings import load
 from powerbatch.telemetry import PowerMonitor, PowerSample
 from powerbatch.telemetry.trace import TraceRow, TraceWriter, read_trace, trace_files
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "plugins" / "vllm"))
 
-from powerbatch_vllm.config import PluginConfig  # noqa: E402
+from powerbatch_vllm.config import PLUGIN, PluginConfig  # noqa: E402
 from powerbatch_vllm.control import ControlThread  # noqa: E402
 from powerbatch_vllm.engine import EngineCaps, StepStats  # noqa: E402
+
+
+def plugin_config(**flat: Any) -> PluginConfig:
+    cfg: PluginConfig = load(PLUGIN, environ={}, overrides=flat)
+    return cfg
+
 
 CAPS = EngineCaps(max_active_reqs=64, max_step_tokens=2048, num_kv_blocks=511, block_size=16)
 
@@ -151,7 +158,7 @@ def test_history_is_strict_json_from_the_first_tick() -> None:
             src = Timed()
             src.w = None
             gov = _governor(src)
-            app = create_app(gov, ProxySettings(upstream_url=up.url))
+            app = create_app(gov, ProxySettings(upstream=up.url))
             runner = aiohttp.web.AppRunner(app, access_log=None)
             await runner.setup()
             await aiohttp.web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -181,7 +188,7 @@ def test_ready_is_503_until_the_power_source_gives_a_good_reading() -> None:
             src = Timed()
             src.w = None  # dead from the start
             gov = _governor(src)
-            app = create_app(gov, ProxySettings(upstream_url=up.url))
+            app = create_app(gov, ProxySettings(upstream=up.url))
             runner = aiohttp.web.AppRunner(app, access_log=None)
             await runner.setup()
             await aiohttp.web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -286,13 +293,13 @@ def _steps(stats: StepStats, stop: threading.Event, running: int = 24) -> None:
 
 def test_plugin_trace_is_written_as_it_goes_and_replays(tmp_path: Path) -> None:
     path = tmp_path / "trace.csv"
-    cfg = PluginConfig(
+    cfg = plugin_config(
         ceiling_w=500,
         metrics_port=0,
         warmup_s=0.0,
         tick_hz=20.0,
         power_interval_s=0.02,
-        trace_path=str(path),
+        record_trace=str(path),
     )
     stats = StepStats()
     ct = ControlThread(cfg, CAPS, stats, source=Watts(420.0))
@@ -331,7 +338,7 @@ def test_plugin_trace_is_written_as_it_goes_and_replays(tmp_path: Path) -> None:
 
 
 def test_plugin_is_not_ready_before_a_good_reading() -> None:
-    cfg = PluginConfig(ceiling_w=500, metrics_port=0, warmup_s=0.0)
+    cfg = plugin_config(ceiling_w=500, metrics_port=0, warmup_s=0.0)
     ct = ControlThread(cfg, CAPS, StepStats(), source=Watts(None))
     asyncio.run(ct.monitor.poll_once())
     ct.tick(time.monotonic())
@@ -350,7 +357,7 @@ def test_proxy_and_plugin_status_share_one_shape() -> None:
     asyncio.run(gov.monitor.poll_once())
     gov.tick(time.monotonic())
     ct = ControlThread(
-        PluginConfig(ceiling_w=500, metrics_port=0, warmup_s=0.0),
+        plugin_config(ceiling_w=500, metrics_port=0, warmup_s=0.0),
         CAPS,
         StepStats(),
         source=Watts(300.0),

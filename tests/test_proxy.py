@@ -13,10 +13,10 @@ import openai
 from aiohttp import web
 from conftest import FuncPowerSource, run, serve
 
-from powerbatch.cli.settings import SERVE, ServeSettings
-from powerbatch.settings import load
 from powerbatch.cli.serve import build
+from powerbatch.cli.settings import SERVE, ServeSettings
 from powerbatch.proxy import Governor
+from powerbatch.settings import load
 from powerbatch.sim import SimEngine
 from powerbatch.sim.server import SimServer, start_sim_server
 
@@ -241,9 +241,7 @@ def test_upstream_dying_mid_stream_ends_the_stream_with_an_error_event() -> None
         stub = web.Application()
         stub.router.add_post("/v1/chat/completions", broken)
         stub_runner, stub_url = await serve(stub)
-        app, gov = build(
-            options(stub_url)
-        )
+        app, gov = build(options(stub_url))
         runner, url = await serve(app)
         try:
             async with aiohttp.ClientSession() as s:

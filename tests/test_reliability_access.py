@@ -15,9 +15,9 @@ from conftest import run
 from faults import chat_body, running_proxy, upstream
 
 from powerbatch.cli.settings import SERVE
-from powerbatch.settings import load
 from powerbatch.errors import ConfigError
 from powerbatch.proxy.auth import ApiKeys
+from powerbatch.settings import load
 
 KEY = "sk-client-0123456789abcdef"
 OTHER = "sk-client-other"

@@ -18,8 +18,8 @@ from conftest import run
 from faults import upstream
 from test_telemetry_nvml import FakeGpu, fake_nvml
 
+from powerbatch.cli.serve import serve
 from powerbatch.cli.settings import SERVE, ServeSettings
-from powerbatch.cli.serve import build, serve
 from powerbatch.cli.stack import free_port
 from powerbatch.errors import ConfigError, PowerLimitError
 from powerbatch.settings import load

@@ -11,8 +11,8 @@ import json
 import sys
 import time
 import urllib.request
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +32,7 @@ from powerbatch.control import Limits
 from powerbatch.errors import ConfigError, SensorReadError
 from powerbatch.settings import load
 from powerbatch.telemetry import PowerSample
+
 
 def plugin_config(**flat: Any) -> PluginConfig:
     """Settings by their flat names, through the same checks as the environment's."""
