@@ -123,7 +123,7 @@ class LimitStateFile:
         """The record, None if there is none; PowerLimitError if it cannot be trusted."""
         try:
             text = self.path.read_text()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # nothing there, or nothing could be
             return None
         except OSError as exc:
             raise PowerLimitError(f"cannot read the limit state file {self.path}: {exc}") from exc
