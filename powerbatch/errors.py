@@ -6,7 +6,10 @@
     │   ├── SensorUnavailable       no device / endpoint / library (e.g. no NVML driver)
     │   ├── SensorReadError         the source answered, but not with a usable sample
     │   └── StaleSample             the newest sample is older than allowed
-    ├── PowerLimitError             the hardware power limit could not be set or restored
+    ├── PowerLimitError             the hardware power limit could not be read, set or restored
+    │   ├── LimiterUnavailable      no backend: daemon unreachable, no NVML, no such GPU
+    │   ├── LimiterPermissionDenied the backend refused: bad or missing token, no CAP_SYS_ADMIN
+    │   └── LimiterTimeout          the backend did not answer in time
     └── ReplayError                 a recorded trace is malformed
 
 The controller treats any TelemetryError as "no trustworthy reading" and fails closed.
@@ -41,6 +44,18 @@ class StaleSample(TelemetryError):
 
 class PowerLimitError(PowerbatchError):
     """The hardware power limit could not be read, set or restored."""
+
+
+class LimiterUnavailable(PowerLimitError):
+    """No way to reach the limit: the daemon is down, NVML is missing, a GPU is not there."""
+
+
+class LimiterPermissionDenied(PowerLimitError):
+    """The backend refused: fixed by configuration (a token, a capability), not by retries."""
+
+
+class LimiterTimeout(PowerLimitError):
+    """The backend did not answer in time; whether the change happened is unknown."""
 
 
 class ReplayError(PowerbatchError):

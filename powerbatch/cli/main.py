@@ -30,6 +30,11 @@ def _sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--stream-interval-tokens", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--zeusd-token",
+        default=None,
+        help="require this bearer token on the simulated zeusd API's /gpu/* routes",
+    )
 
 
 def _run_sim(a: argparse.Namespace) -> None:
@@ -49,6 +54,7 @@ def _run_sim(a: argparse.Namespace) -> None:
             max_num_queued_reqs=a.max_num_queued_reqs,
             power_limit_w=a.power_limit_w,
             seed=a.seed,
+            zeusd_token=a.zeusd_token,
         )
     )
 

@@ -16,7 +16,7 @@ from powerbatch.control.config import ControlConfig, TraceSettings
 from powerbatch.errors import ConfigError
 from powerbatch.proxy.settings import ProxySettings
 from powerbatch.settings import Surface, setting
-from powerbatch.telemetry.settings import PowerSettings
+from powerbatch.telemetry.settings import LimiterSettings, PowerSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,7 @@ class ServeSettings:
     proxy: ProxySettings
     admission: AdmissionSettings
     trace: TraceSettings = field(default_factory=TraceSettings)
+    limiter: LimiterSettings = field(default_factory=LimiterSettings)
     hardware_backstop: bool = setting(
         False,
         "also set the GPUs' NVML power limit to the ceiling, restored on exit (needs nvml, root)",

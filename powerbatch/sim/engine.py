@@ -79,6 +79,8 @@ class StepRecord:
     decode_tokens: int
     energy_j: float
     """Cumulative energy at the end of this entry."""
+    power_limit_w: float = math.inf
+    """The total power limit the step ran under (the set's limit as the throttle sees it)."""
 
 
 class SimRequest:
@@ -201,6 +203,7 @@ class SimEngine:
         self.max_num_queued_reqs = max_num_queued_reqs
         self.max_lag_s = max_lag_s
         self._power_limit_w = self.profile.tdp_w
+        self._gpu_limits_w = [self.profile.tdp_w_per_gpu] * self.profile.num_gpus
         if power_limit_w is not None:
             self.power_limit_w = power_limit_w
         self._rng = np.random.default_rng(seed)
@@ -240,12 +243,40 @@ class SimEngine:
 
     @power_limit_w.setter
     def power_limit_w(self, value: float) -> None:
-        """Like nvmlDeviceSetPowerManagementLimit: out-of-range values are refused (facts, NVML)."""
+        """The set's total, split evenly over its GPUs; out-of-range values are refused."""
         if not (math.isfinite(value) and 0.0 < value <= self.profile.tdp_w):
             raise PowerLimitError(
                 f"power limit must be in (0, {self.profile.tdp_w:g}] W, got {value!r}"
             )
+        n = self.profile.num_gpus
+        self._gpu_limits_w = [float(value) / n] * n
         self._power_limit_w = float(value)
+
+    @property
+    def gpu_power_limits_w(self) -> list[float]:
+        """Per GPU limit in force."""
+        return list(self._gpu_limits_w)
+
+    def gpu_limit_constraints_w(self) -> tuple[float, float]:
+        """(min_w, max_w) one GPU accepts, like nvmlDeviceGetPowerManagementLimitConstraints."""
+        return self.profile.min_limit_w_per_gpu, self.profile.tdp_w_per_gpu
+
+    def set_gpu_power_limit_w(self, gpu: int, value: float) -> None:
+        """One GPU's limit, refused outside its constraints as nvmlDeviceSetPowerManagementLimit
+        refuses it (NVML_ERROR_INVALID_ARGUMENT).
+
+        Modelling choice: the GPUs of a tensor-parallel set step in lockstep, so the slowest
+        (lowest-limited) GPU paces them all: the set runs as if every GPU had the lowest limit.
+        """
+        lo, hi = self.gpu_limit_constraints_w()
+        if not 0 <= gpu < self.profile.num_gpus:
+            raise PowerLimitError(f"GPU index {gpu} does not exist")
+        if not (math.isfinite(value) and lo <= value <= hi):
+            raise PowerLimitError(
+                f"GPU {gpu}: power limit must be in [{lo:g}, {hi:g}] W, got {value!r}"
+            )
+        self._gpu_limits_w[gpu] = float(value)
+        self._power_limit_w = min(self._gpu_limits_w) * self.profile.num_gpus
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -365,6 +396,7 @@ class SimEngine:
             "num_gpus": self.profile.num_gpus,
             "tdp_w": self.profile.tdp_w,
             "power_limit_w": self._power_limit_w,
+            "gpu_power_limits_w": ",".join(f"{w:g}" for w in self._gpu_limits_w),
             "power_w": self._seg_power_w,
             "power_avg_w": self.average_power_w(),
             "energy_j": self.energy_j(),
@@ -399,7 +431,7 @@ class SimEngine:
             return
         t0 = self._clock_s
         e1 = self._energy_j + self._seg_power_w * (t1 - t0)
-        rec = StepRecord(t0, t1 - t0, self._seg_power_w, 0, 0, 0, 0, 0, e1)
+        rec = StepRecord(t0, t1 - t0, self._seg_power_w, 0, 0, 0, 0, 0, e1, self._power_limit_w)
         self._close_segment(t1, rec)
 
     def _open_idle(self) -> None:
@@ -517,6 +549,7 @@ class SimEngine:
             prefill,
             decode,
             self._energy_j + power_w * step_s,
+            self._power_limit_w,
         )
         return scheduled, rec
 

@@ -74,6 +74,10 @@ class GpuProfile:
     idle_w_per_gpu: float = 78.0
     """Facts: "Idle H200: about 75-80 W" (low confidence); used for H100 as well."""
 
+    min_limit_w_per_gpu: float = 200.0
+    """The bottom of NVML's limit constraints (nvmlDeviceGetPowerManagementLimitConstraints): an
+    H100 SXM reports 200-700 W in `nvidia-smi -q -d POWER`; used for the other profiles too."""
+
     prefill_power_frac: float = 0.95
     """Prefill runs near the power limit (facts: "Prefill is compute-bound: it runs near the power
     limit"); 0.95 x TDP is the modelling choice."""

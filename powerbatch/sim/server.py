@@ -1,9 +1,9 @@
 """An OpenAI-compatible HTTP front for `SimEngine`, shaped like vLLM's API server.
 
 It answers what a proxy and a benchmark touch: chat and text completions (streaming in vLLM's SSE
-format), embeddings (prefill-only jobs), /v1/models, /health, /metrics with vLLM and
-dcgm-exporter names (facts, "Reading and setting power" and "vLLM facts"), and /sim/* admin
-routes for the power limit and the step trace.
+format), embeddings (prefill-only jobs), /v1/models, /health, /metrics with vLLM's and
+dcgm-exporter's names, /sim/* admin routes for the power limit and the step trace, and the zeusd
+daemon's GPU API (powerbatch.sim.zeusd_api) for per-GPU limits.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from powerbatch.sim.engine import (
     SimRequest,
     StepRecord,
 )
+from powerbatch.sim.zeusd_api import DEFAULT_APPLY_DELAY_S, add_zeusd_routes
 from powerbatch.telemetry.trace import TraceRow, write_trace
 
 __all__ = [
@@ -566,6 +567,19 @@ class _SimCollector(Collector):
         yield power
         yield power_instant
         yield energy
+        yield _power_limit_metric(e, gpu_labels, per_gpu)
+
+
+def _power_limit_metric(
+    engine: SimEngine, labels: list[str], per_gpu: list[list[str]]
+) -> GaugeMetricFamily:
+    """Each GPU's power limit in force, under dcgm-exporter's name for it."""
+    limit = GaugeMetricFamily(
+        "DCGM_FI_DEV_POWER_MGMT_LIMIT", "Power management limit (in W).", labels=labels
+    )
+    for lab, limit_w in zip(per_gpu, engine.gpu_power_limits_w, strict=True):
+        limit.add_metric(lab, limit_w)
+    return limit
 
 
 # ---- app -------------------------------------------------------------------------------------
@@ -578,8 +592,13 @@ def create_sim_app(
     stream_interval_tokens: int = 1,
     max_model_len: int = 8192,
     hostname: str = "powerbatch-sim",
+    zeusd_token: str | None = None,
+    zeusd_apply_delay_s: float = DEFAULT_APPLY_DELAY_S,
 ) -> web.Application:
-    """The app starts the engine on start-up and stops it on clean-up."""
+    """The app starts the engine on start-up and stops it on clean-up.
+
+    It also serves zeusd's GPU API (powerbatch.sim.zeusd_api), behind `zeusd_token` if given.
+    """
     if stream_interval_tokens < 1:
         raise ValueError("stream_interval_tokens must be >= 1")
     if max_model_len < 2:
@@ -612,6 +631,7 @@ def create_sim_app(
     app.router.add_post("/sim/power_limit", h.set_power_limit)
     app.router.add_get("/sim/trace", h.trace)
     app.router.add_get("/sim/state", h.state)
+    add_zeusd_routes(app, engine, token=zeusd_token, apply_delay_s=zeusd_apply_delay_s)
     return app
 
 
@@ -655,6 +675,7 @@ async def run_sim_server(
     model_name: str = "sim-llama",
     stream_interval_tokens: int = 1,
     max_model_len: int = 8192,
+    zeusd_token: str | None = None,
     **engine_kwargs: Any,
 ) -> None:
     """Build an engine from `engine_kwargs` (see SimEngine) and serve until cancelled."""
@@ -666,6 +687,7 @@ async def run_sim_server(
         model_name=model_name,
         stream_interval_tokens=stream_interval_tokens,
         max_model_len=max_model_len,
+        zeusd_token=zeusd_token,
     )
     # The operator's (and a script's) sign that the port is open; with port 0, the port chosen.
     _log.info("powerbatch sim listening on %s (model %s)", server.url, model_name)

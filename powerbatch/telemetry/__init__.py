@@ -5,6 +5,14 @@ Importing this package never imports pynvml; only constructing an NVML object do
 
 from powerbatch.telemetry.base import PowerSample, PowerSource
 from powerbatch.telemetry.filters import Ewma, HampelFilter
+from powerbatch.telemetry.limiter import (
+    LimitActuator,
+    NoLimiter,
+    NvmlLimiter,
+    PowerLimiter,
+    ZeusdLimiter,
+    make_limiter,
+)
 from powerbatch.telemetry.monitor import PowerMonitor, PowerReading
 from powerbatch.telemetry.nvml import (
     NvmlPowerLimiter,
@@ -19,12 +27,17 @@ from powerbatch.telemetry.prometheus import (
 )
 from powerbatch.telemetry.replay import ReplayPowerSource, TraceExhausted
 from powerbatch.telemetry.trace import TraceRow, read_trace, write_trace
+from powerbatch.telemetry.zeusd import ZeusdPowerSource
 
 __all__ = [
     "Ewma",
     "HampelFilter",
+    "LimitActuator",
+    "NoLimiter",
+    "NvmlLimiter",
     "NvmlPowerLimiter",
     "NvmlPowerSource",
+    "PowerLimiter",
     "PowerMonitor",
     "PowerReading",
     "PowerSample",
@@ -35,7 +48,10 @@ __all__ = [
     "TraceRow",
     "UpstreamMetricsScraper",
     "UpstreamSignals",
+    "ZeusdLimiter",
+    "ZeusdPowerSource",
     "default_power_limit_w",
+    "make_limiter",
     "nvml_available",
     "read_trace",
     "write_trace",

@@ -19,7 +19,13 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, TypeVar
 
-from powerbatch.errors import PowerLimitError, SensorReadError, SensorUnavailable
+from powerbatch.errors import (
+    LimiterPermissionDenied,
+    LimiterUnavailable,
+    PowerLimitError,
+    SensorReadError,
+    SensorUnavailable,
+)
 from powerbatch.telemetry.base import PowerSample
 
 _T = TypeVar("_T")
@@ -208,10 +214,12 @@ class NvmlPowerSource:
 
 
 class NvmlPowerLimiter:
-    """Set, read back and restore the hardware power limit of a set of GPUs.
+    """Set, read back and restore the hardware power limit of a set of GPUs (synchronous).
 
     The limit outlives this process (until the driver reloads), so the limits in force at
     construction are remembered and `restore()` puts them back; call it on shutdown, then `close()`.
+    This is the device layer; `powerbatch.telemetry.limiter.NvmlLimiter` wraps it in the async
+    `PowerLimiter` interface with crash recovery to the device default.
     """
 
     def __init__(
@@ -221,9 +229,10 @@ class NvmlPowerLimiter:
             self._nvml = _load(nvml)
             self._devices = _NvmlHandles(self._nvml, gpu_indices)
         except (SensorUnavailable, SensorReadError) as exc:
-            raise PowerLimitError(f"cannot open GPUs for power limiting: {exc}") from exc
+            raise LimiterUnavailable(f"cannot open GPUs for power limiting: {exc}") from exc
         self.gpu_indices = self._devices.indices
         self._no_permission = _codes(self._nvml, ("NVML_ERROR_NO_PERMISSION",))
+        self._unavailable = _codes(self._nvml, _UNAVAILABLE_CODES)
         self._constraints_w = self._per_gpu(
             "nvmlDeviceGetPowerManagementLimitConstraints", self._read_constraints_w
         )
@@ -239,10 +248,12 @@ class NvmlPowerLimiter:
 
     def _error(self, exc: Exception, index: int, what: str) -> PowerLimitError:
         if _error_code(exc) in self._no_permission:
-            return PowerLimitError(
+            return LimiterPermissionDenied(
                 f"GPU {index}: {what}: no permission; setting power limits needs root or "
                 "CAP_SYS_ADMIN (in a container: --cap-add SYS_ADMIN)"
             )
+        if _error_code(exc) in self._unavailable:
+            return LimiterUnavailable(f"GPU {index}: {what} failed: {exc}")
         return PowerLimitError(f"GPU {index}: {what} failed: {exc}")
 
     def _per_gpu(self, what: str, call: Callable[[Any], _T]) -> list[_T]:
@@ -271,6 +282,13 @@ class NvmlPowerLimiter:
             "nvmlDeviceGetEnforcedPowerLimit",
             lambda h: float(self._nvml.nvmlDeviceGetEnforcedPowerLimit(h)) / 1000.0,
         )
+
+    def set_limits_w(self, limits_w: Sequence[float]) -> None:
+        """Set one limit per GPU as given (the caller clamps); marks the limits as changed."""
+        if len(limits_w) != len(self.gpu_indices):
+            raise PowerLimitError(f"{len(limits_w)} limits for {len(self.gpu_indices)} GPUs")
+        self._changed = True
+        self._set_w(limits_w)
 
     def _set_w(self, limits_w: Sequence[float]) -> None:
         for index, handle, limit_w in zip(

@@ -75,3 +75,57 @@ class PowerSettings:
                 f"max_plausible_w ({self.max_plausible_w:g} W) must be above the ceiling "
                 f"({ceiling_w:g} W): every reading near the ceiling would be thrown away"
             )
+
+
+LimiterKind = Literal["none", "nvml", "zeusd"]
+
+
+@dataclass(frozen=True, slots=True)
+class LimiterSettings:
+    """Power limiter: the GPUs' power limit as a second actuator (not yet used by the controller)"""
+
+    power_limiter: LimiterKind = setting(
+        "none",
+        "how the GPUs' power limit is set: none (admission alone), nvml (this process needs "
+        "root or CAP_SYS_ADMIN) or zeusd (through the Zeus node daemon)",
+    )
+    zeusd_url: str | None = setting(
+        None, "the zeusd daemon: http://host:port or unix:///run/zeusd/zeusd.sock"
+    )
+    zeusd_token: str | None = setting(
+        None,
+        "bearer token for zeusd (scopes gpu-read,gpu-control), if it requires one",
+        secret=True,
+    )
+    limit_dead_band_w: float = setting(
+        10.0,
+        "a requested total limit within this of the one in force is not applied, watts",
+        ge=0,
+    )
+    limit_min_interval_s: float = setting(
+        2.0,
+        "raises of the limit wait this long after the last change (cuts go at once), s",
+        ge=0,
+        le=3600,
+    )
+    limit_state_dir: str | None = setting(
+        None,
+        "where the crash-recovery file lives (it says a limit was changed and must be restored)",
+        default_doc="$XDG_RUNTIME_DIR/powerbatch, else /tmp/powerbatch-<uid>",
+    )
+    limit_timeout_s: float = setting(
+        2.0, "a limit change or read that takes longer has failed, s", gt=0, le=60
+    )
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+        if self.power_limiter == "zeusd" and not self.zeusd_url:
+            raise ConfigError(
+                "power_limiter zeusd needs zeusd_url (http://host:port or unix:///path)"
+            )
+        if self.zeusd_url is not None and not self.zeusd_url.startswith(
+            ("http://", "https://", "unix:///")
+        ):
+            raise ConfigError(
+                f"zeusd_url must be http://host:port or unix:///path, got {self.zeusd_url!r}"
+            )

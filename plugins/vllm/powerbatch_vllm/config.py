@@ -19,7 +19,7 @@ from powerbatch.control.config import TraceSettings
 from powerbatch.errors import ConfigError
 from powerbatch.settings import Surface, check_bounds, load, setting
 from powerbatch.settings import reference_markdown as _reference
-from powerbatch.telemetry.settings import PowerSettings
+from powerbatch.telemetry.settings import LimiterSettings, PowerSettings
 
 ENV_PREFIX = "POWERBATCH_VLLM_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -53,6 +53,7 @@ class PluginConfig:
     power: PowerSettings = dataclasses.field(default_factory=PowerSettings)
     engine: EngineSettings = dataclasses.field(default_factory=EngineSettings)
     trace: TraceSettings = dataclasses.field(default_factory=TraceSettings)
+    limiter: LimiterSettings = dataclasses.field(default_factory=LimiterSettings)
 
     def __post_init__(self) -> None:
         self.power.check_ceiling(self.control.ceiling_w)

@@ -1,0 +1,640 @@
+"""The GPUs' own power limit as an actuator: backends, crash recovery, rate limit and dead band.
+
+Three backends share one async interface, `PowerLimiter`:
+
+    NvmlLimiter    NVML in this process (root or CAP_SYS_ADMIN); pynvml stays inside nvml.py
+    ZeusdLimiter   through the Zeus project's node daemon zeusd (an unprivileged process)
+    NoLimiter      no device limit: admission alone holds the ceiling
+
+Safety lives below the controller, so no caller can get it wrong:
+
+  * a total is split evenly over the GPUs and each share clamped to the device's constraints
+    (NVML refuses values outside nvmlDeviceGetPowerManagementLimitConstraints; zeusd answers 400);
+  * before the first change a state file records that the limit is changed and what to restore;
+    `restore()` puts the default back and removes it; a process that dies without restoring
+    leaves the file, and the next `start()` restores the default before anything else (the limit
+    outlives the process until the driver reloads, per NVML's nvmlDeviceSetPowerManagementLimit);
+  * `LimitActuator` applies a requested total only beyond a dead band and, for raises, no sooner
+    than a minimum interval after the last change; cuts go through at once. A failed or timed-out
+    change makes it `degraded` (with a reason) until a retry, on a backoff, succeeds.
+
+The default restored: NVML's nvmlDeviceGetPowerManagementDefaultLimit. zeusd's API has no
+default-limit read, so for it the limits in force when powerbatch first touched the GPUs stand in
+(recorded in the state file so a restart after a crash still knows them), as zeusd itself does
+for CPU limits ("original" settings, Zeus docs, zeusd deployment).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol, runtime_checkable
+
+from powerbatch.errors import (
+    LimiterPermissionDenied,
+    LimiterTimeout,
+    LimiterUnavailable,
+    PowerLimitError,
+)
+from powerbatch.telemetry.nvml import NvmlPowerLimiter
+from powerbatch.telemetry.settings import LimiterSettings
+from powerbatch.telemetry.zeusd import ZeusdClient, ZeusdRequestError
+
+__all__ = [
+    "LimitActuator",
+    "LimitStateFile",
+    "NoLimiter",
+    "NvmlLimiter",
+    "PowerLimiter",
+    "ZeusdLimiter",
+    "default_state_dir",
+    "make_limiter",
+    "split_total_w",
+]
+
+_log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class PowerLimiter(Protocol):
+    """Sets the power limit of a GPU set. Call `start()` first, `restore()` then `close()` last.
+
+    Every failure is a `PowerLimitError` subclass. `changes_total` counts device writes
+    (restores included) for a metric; `controls_device` is False for `NoLimiter`.
+    """
+
+    name: str
+    gpu_ids: tuple[int, ...]
+    controls_device: bool
+    changes_total: int
+
+    async def start(self) -> None: ...
+
+    def constraints_w(self) -> list[tuple[float, float]]: ...
+
+    def default_w(self) -> list[float]: ...
+
+    async def limits_w(self) -> list[float]: ...
+
+    async def set_total_w(self, total_w: float) -> float: ...
+
+    async def restore(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def split_total_w(total_w: float, constraints_w: Sequence[tuple[float, float]]) -> list[float]:
+    """An even share per GPU, each clamped to its (min_w, max_w): never outside what it accepts."""
+    if not (math.isfinite(total_w) and total_w > 0):
+        raise PowerLimitError(f"total power limit must be positive and finite, got {total_w}")
+    share_w = total_w / len(constraints_w)
+    return [min(max(share_w, lo), hi) for lo, hi in constraints_w]
+
+
+def default_state_dir() -> Path:
+    """$XDG_RUNTIME_DIR/powerbatch (per user, cleared at logout or reboot, as limits are at driver
+    reload), else /tmp/powerbatch-<uid>."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return Path(runtime) / "powerbatch"
+    return Path(tempfile.gettempdir()) / f"powerbatch-{os.getuid()}"
+
+
+class LimitStateFile:
+    """The crash-recovery record: present exactly while a limit powerbatch set may be in force."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def read(self) -> dict[str, Any] | None:
+        """The record, None if there is none; PowerLimitError if it cannot be trusted."""
+        try:
+            text = self.path.read_text()
+        except (FileNotFoundError, NotADirectoryError):  # nothing there, or nothing could be
+            return None
+        except OSError as exc:
+            raise PowerLimitError(f"cannot read the limit state file {self.path}: {exc}") from exc
+        try:
+            record = json.loads(text)
+        except ValueError as exc:
+            raise PowerLimitError(
+                f"the limit state file {self.path} is corrupt ({exc}); check the GPUs' power "
+                "limits (nvidia-smi -q -d POWER), restore them, then delete the file"
+            ) from exc
+        if not isinstance(record, dict):
+            raise PowerLimitError(f"the limit state file {self.path} is not a JSON object")
+        return record
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Atomically (rename), owner-only; a limit is never changed without this record."""
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                json.dump(record, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            raise PowerLimitError(
+                f"cannot write the limit state file {self.path} ({exc}); refusing to change the "
+                "limit without a way to restore it after a crash (set limit_state_dir)"
+            ) from exc
+
+    def remove(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def _tag(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "_", text).strip("_")
+
+
+class _DeviceLimiter:
+    """Split, clamp, read back, count, and the state file; backends supply four device calls."""
+
+    controls_device = True
+    backend = "device"
+
+    def __init__(
+        self, gpu_ids: Sequence[int], *, tag: str, state_dir: str | Path | None = None
+    ) -> None:
+        if not gpu_ids:
+            raise ValueError("gpu_ids must name at least one GPU")
+        if len(set(gpu_ids)) != len(gpu_ids):
+            raise ValueError(f"gpu_ids has duplicates: {list(gpu_ids)}")
+        self.gpu_ids = tuple(int(i) for i in gpu_ids)
+        self.name = f"{tag}:{','.join(map(str, self.gpu_ids))}"
+        directory = Path(state_dir) if state_dir is not None else default_state_dir()
+        gpus = "_".join(map(str, self.gpu_ids))
+        self.state_file = LimitStateFile(directory / f"limits-{_tag(tag)}-{gpus}.json")
+        self.changes_total = 0
+        self.recovered = False
+        """True when `start()` found a record left by a process that died and restored."""
+        self._constraints_w: list[tuple[float, float]] | None = None
+        self._default_w: list[float] | None = None
+
+    # -- backend calls ---------------------------------------------------------------------
+
+    async def _open(self) -> tuple[list[tuple[float, float]], list[float]]:
+        """Reach the devices; (constraints, default) per GPU."""
+        raise NotImplementedError
+
+    async def _read_w(self) -> list[float]:
+        raise NotImplementedError
+
+    async def _write_w(self, limits_w: Sequence[float]) -> None:
+        raise NotImplementedError
+
+    async def _close(self) -> None:
+        raise NotImplementedError
+
+    def _recovery_w(self, record: dict[str, Any], default_w: list[float]) -> list[float]:
+        """What to restore after a crash: the device default."""
+        return default_w
+
+    # -- the interface ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the devices; if a previous process left a changed limit, restore it first."""
+        constraints_w, default_w = await self._open()
+        record = self.state_file.read()
+        if record is not None:
+            restore_w = self._recovery_w(record, default_w)
+            restore_w = [
+                min(max(w, lo), hi) for w, (lo, hi) in zip(restore_w, constraints_w, strict=True)
+            ]
+            _log.warning(
+                "%s: a previous run (pid %s) changed the power limit and did not restore it; "
+                "restoring %s W",
+                self.name,
+                record.get("pid", "?"),
+                _fmt(restore_w),
+            )
+            await self._write_w(restore_w)
+            self.changes_total += 1
+            self.state_file.remove()
+            self.recovered = True
+            default_w = restore_w
+        self._constraints_w, self._default_w = constraints_w, default_w
+
+    def _started(self) -> tuple[list[tuple[float, float]], list[float]]:
+        if self._constraints_w is None or self._default_w is None:
+            raise LimiterUnavailable(f"{self.name}: start() has not run")
+        return self._constraints_w, self._default_w
+
+    def constraints_w(self) -> list[tuple[float, float]]:
+        """Per GPU (min_w, max_w) the device accepts."""
+        return list(self._started()[0])
+
+    def default_w(self) -> list[float]:
+        """Per GPU limit that `restore()` puts back."""
+        return list(self._started()[1])
+
+    async def limits_w(self) -> list[float]:
+        """Per GPU limit in force, read from the device."""
+        self._started()
+        return await self._read_w()
+
+    async def set_total_w(self, total_w: float) -> float:
+        """Split `total_w` evenly, clamp, set, and return the total read back (what is in force,
+        which reflects clamping and any lower limit set by someone else)."""
+        constraints_w, default_w = self._started()
+        limits_w = split_total_w(total_w, constraints_w)
+        if not self.state_file.exists():
+            self.state_file.write(
+                {
+                    "backend": self.backend,
+                    "limiter": self.name,
+                    "gpu_ids": list(self.gpu_ids),
+                    "restore_w": default_w,
+                    "pid": os.getpid(),
+                    "written_unix_s": time.time(),
+                }
+            )
+        await self._write_w(limits_w)
+        self.changes_total += 1
+        in_force_w = sum(await self._read_w())
+        _log.info(
+            "%s: power limit set to %s W (asked %.0f W total; %.0f W in force)",
+            self.name,
+            _fmt(limits_w),
+            total_w,
+            in_force_w,
+        )
+        return in_force_w
+
+    async def restore(self) -> None:
+        """Put the default back and drop the state file; a no-op if nothing was changed."""
+        if not self.state_file.exists():
+            return
+        _, default_w = self._started()
+        await self._write_w(default_w)
+        self.changes_total += 1
+        self.state_file.remove()
+        _log.info("%s: power limit restored to %s W", self.name, _fmt(default_w))
+
+    async def close(self) -> None:
+        """Release the backend; does not restore (call restore() first)."""
+        await self._close()
+
+
+def _fmt(values_w: Sequence[float]) -> str:
+    return "/".join(f"{v:.0f}" for v in values_w)
+
+
+class NvmlLimiter(_DeviceLimiter):
+    """NVML in this process: needs root or CAP_SYS_ADMIN. NVML calls are local and sub-millisecond,
+    so they run inline (see powerbatch.telemetry.nvml)."""
+
+    backend = "nvml"
+
+    def __init__(
+        self,
+        gpu_ids: Sequence[int] = (0,),
+        *,
+        state_dir: str | Path | None = None,
+        nvml: ModuleType | None = None,
+    ) -> None:
+        super().__init__(gpu_ids, tag="nvml", state_dir=state_dir)
+        self._nvml = nvml
+        self._device: NvmlPowerLimiter | None = None
+
+    def _dev(self) -> NvmlPowerLimiter:
+        if self._device is None:
+            raise LimiterUnavailable(f"{self.name}: start() has not run")
+        return self._device
+
+    async def _open(self) -> tuple[list[tuple[float, float]], list[float]]:
+        if self._device is None:
+            self._device = NvmlPowerLimiter(self.gpu_ids, nvml=self._nvml)
+        return self._device.constraints_w(), self._device.default_limits_w()
+
+    async def _read_w(self) -> list[float]:
+        return self._dev().enforced_limits_w()
+
+    async def _write_w(self, limits_w: Sequence[float]) -> None:
+        self._dev().set_limits_w(limits_w)
+
+    async def _close(self) -> None:
+        if self._device is not None:
+            self._device.close()
+            self._device = None
+
+
+@contextlib.contextmanager
+def _limit_errors() -> Iterator[None]:
+    """zeusd's answers as PowerLimitError subclasses."""
+    try:
+        yield
+    except ZeusdRequestError as exc:
+        if exc.kind == "unreachable":
+            raise LimiterUnavailable(str(exc)) from exc
+        if exc.kind == "unauthorized":
+            raise LimiterPermissionDenied(
+                f"{exc} (zeusd wants a bearer token: set zeusd_token)"
+            ) from exc
+        if exc.kind == "forbidden":
+            raise LimiterPermissionDenied(
+                f"{exc} (the token needs the gpu-control scope, and zeusd needs CAP_SYS_ADMIN)"
+            ) from exc
+        if exc.kind == "timeout":
+            raise LimiterTimeout(str(exc)) from exc
+        raise PowerLimitError(str(exc)) from exc
+
+
+class ZeusdLimiter(_DeviceLimiter):
+    """Through zeusd's `/gpu/set_power_limit` (block=true: the answer comes once it is applied)."""
+
+    backend = "zeusd"
+
+    def __init__(
+        self,
+        url: str,
+        gpu_ids: Sequence[int] = (0,),
+        *,
+        token: str | None = None,
+        timeout_s: float = 2.0,
+        state_dir: str | Path | None = None,
+        client: ZeusdClient | None = None,
+    ) -> None:
+        self._client = client or ZeusdClient(url, token=token, timeout_s=timeout_s)
+        self._token = token
+        super().__init__(gpu_ids, tag=f"zeusd:{self._client.endpoint}", state_dir=state_dir)
+
+    async def _open(self) -> tuple[list[tuple[float, float]], list[float]]:
+        with _limit_errors():
+            gpus, groups, auth_required = await self._client.discover()
+            missing = sorted(set(self.gpu_ids) - {g.id for g in gpus})
+            if missing:
+                raise LimiterUnavailable(
+                    f"zeusd at {self._client.endpoint} has no GPU {missing} "
+                    f"(it has {sorted(g.id for g in gpus)})"
+                )
+            if "gpu-control" not in groups:
+                raise LimiterUnavailable(
+                    f"zeusd at {self._client.endpoint} has the gpu-control API group disabled "
+                    "(start it with --enable gpu-read,gpu-control)"
+                )
+            if auth_required and not self._token:
+                raise LimiterPermissionDenied(
+                    f"zeusd at {self._client.endpoint} requires a token: set zeusd_token to one "
+                    "scoped to gpu-read,gpu-control"
+                )
+            constraints = await self._client.get_power_limit_constraints_mw(self.gpu_ids)
+            current = await self._client.get_power_limit_mw(self.gpu_ids)
+        return (
+            [(constraints[i][0] / 1000.0, constraints[i][1] / 1000.0) for i in self.gpu_ids],
+            [current[i] / 1000.0 for i in self.gpu_ids],
+        )
+
+    def _recovery_w(self, record: dict[str, Any], default_w: list[float]) -> list[float]:
+        """The limits recorded before the crashed run's first change (zeusd reads no default)."""
+        saved = record.get("restore_w")
+        if (
+            isinstance(saved, list)
+            and len(saved) == len(self.gpu_ids)
+            and all(isinstance(w, int | float) and w > 0 for w in saved)
+        ):
+            return [float(w) for w in saved]
+        raise PowerLimitError(
+            f"the limit state file {self.state_file.path} has no usable restore_w; restore the "
+            "GPUs' limits by hand, then delete the file"
+        )
+
+    async def _read_w(self) -> list[float]:
+        with _limit_errors():
+            current = await self._client.get_power_limit_mw(self.gpu_ids)
+        return [current[i] / 1000.0 for i in self.gpu_ids]
+
+    async def _write_w(self, limits_w: Sequence[float]) -> None:
+        constraints_w = self._constraints_w
+        groups: dict[int, list[int]] = {}
+        for slot, (gpu, limit_w) in enumerate(zip(self.gpu_ids, limits_w, strict=True)):
+            mw = round(limit_w * 1000.0)
+            if constraints_w is not None:  # clamp again in mW: rounding must not step outside
+                lo, hi = constraints_w[slot]
+                mw = min(max(mw, math.ceil(lo * 1000.0)), math.floor(hi * 1000.0))
+            groups.setdefault(mw, []).append(gpu)
+        with _limit_errors():
+            for mw, ids in groups.items():
+                await self._client.set_power_limit_mw(ids, mw, block=True)
+
+    async def _close(self) -> None:
+        await self._client.close()
+
+
+class NoLimiter:
+    """No device limit: admission alone holds the ceiling. Every call succeeds and changes nothing;
+    `set_total_w` answers inf (no limit in force)."""
+
+    name = "none"
+    gpu_ids: tuple[int, ...] = ()
+    controls_device = False
+    changes_total = 0
+
+    async def start(self) -> None:
+        return None
+
+    def constraints_w(self) -> list[tuple[float, float]]:
+        return []
+
+    def default_w(self) -> list[float]:
+        return []
+
+    async def limits_w(self) -> list[float]:
+        return []
+
+    async def set_total_w(self, total_w: float) -> float:
+        return math.inf
+
+    async def restore(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+def make_limiter(settings: LimiterSettings, gpus: Sequence[int]) -> PowerLimiter:
+    """The configured backend, not started (call `await limiter.start()`)."""
+    if settings.power_limiter == "nvml":
+        return NvmlLimiter(gpus, state_dir=settings.limit_state_dir)
+    if settings.power_limiter == "zeusd":
+        assert settings.zeusd_url is not None  # LimiterSettings refuses zeusd without a URL
+        return ZeusdLimiter(
+            settings.zeusd_url,
+            gpus,
+            token=settings.zeusd_token,
+            timeout_s=settings.limit_timeout_s,
+            state_dir=settings.limit_state_dir,
+        )
+    return NoLimiter()
+
+
+class LimitActuator:
+    """Applies the controller's requested total limit at a safe pace; never raises on failure.
+
+    A request is applied when it differs from the total in force by more than `dead_band_w`;
+    raises wait `min_interval_s` after the last change, cuts go through at once (safety first).
+    A failure or timeout (of `start()` too) sets `degraded` with a reason, forgets the total in
+    force (a half-applied change is unknown), and retries after a backoff that doubles from
+    `backoff_initial_s` to `backoff_max_s`; the first success clears it. While degraded the
+    caller should hold the ceiling by admission alone, with its software margin.
+    """
+
+    def __init__(
+        self,
+        limiter: PowerLimiter,
+        *,
+        dead_band_w: float = 10.0,
+        min_interval_s: float = 2.0,
+        timeout_s: float = 2.0,
+        backoff_initial_s: float = 1.0,
+        backoff_max_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if dead_band_w < 0 or min_interval_s < 0 or timeout_s <= 0:
+            raise ValueError("dead_band_w and min_interval_s must be >= 0, timeout_s > 0")
+        if not 0 < backoff_initial_s <= backoff_max_s:
+            raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
+        self.limiter = limiter
+        self.dead_band_w = dead_band_w
+        self.min_interval_s = min_interval_s
+        self.timeout_s = timeout_s
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self._clock = clock
+        self.in_force_w: float | None = None
+        self.requested_w: float | None = None
+        self.degraded = False
+        self.degraded_reason: str | None = None
+        self.changes_total = 0
+        self.failures_total = 0
+        self.last_change_s: float | None = None
+        self._started = False
+        self._backoff_s = backoff_initial_s
+        self._retry_at_s = -math.inf
+
+    @classmethod
+    def from_settings(cls, limiter: PowerLimiter, settings: LimiterSettings) -> LimitActuator:
+        return cls(
+            limiter,
+            dead_band_w=settings.limit_dead_band_w,
+            min_interval_s=settings.limit_min_interval_s,
+            timeout_s=settings.limit_timeout_s,
+        )
+
+    def bounds_w(self) -> tuple[float, float] | None:
+        """(lowest, highest) total the GPU set accepts; None before the limiter has started."""
+        if not self._started:
+            return None
+        constraints = self.limiter.constraints_w()
+        return sum(lo for lo, _ in constraints), sum(hi for _, hi in constraints)
+
+    def decide(self, requested_w: float, now_s: float) -> str:
+        """What `apply` would do now: apply, dead_band, too_soon, backoff or inactive. Pure."""
+        if not self.limiter.controls_device:
+            return "inactive"
+        if self.degraded or not self._started:
+            return "apply" if now_s >= self._retry_at_s else "backoff"
+        if self.in_force_w is None:
+            return "apply"
+        delta_w = self._target_w(requested_w) - self.in_force_w
+        if abs(delta_w) <= self.dead_band_w:
+            return "dead_band"
+        if delta_w < 0:
+            return "apply"
+        if self.last_change_s is not None and now_s - self.last_change_s < self.min_interval_s:
+            return "too_soon"
+        return "apply"
+
+    def _target_w(self, requested_w: float) -> float:
+        bounds = self.bounds_w()
+        if bounds is None:
+            return requested_w
+        return min(max(requested_w, bounds[0]), bounds[1])
+
+    async def start(self) -> bool:
+        """Start the limiter (crash recovery first); False and degraded if it could not."""
+        if self._started:
+            return True
+        try:
+            await asyncio.wait_for(self.limiter.start(), self.timeout_s)
+        except (PowerLimitError, TimeoutError) as exc:
+            self._fail(exc, self._clock(), "start")
+            return False
+        self._started = True
+        return True
+
+    async def apply(self, requested_w: float) -> float | None:
+        """Apply `requested_w` if the rules allow; the total in force after (None if unknown)."""
+        if not (math.isfinite(requested_w) and requested_w > 0):
+            raise ValueError(f"requested_w must be positive and finite, got {requested_w}")
+        self.requested_w = requested_w
+        now_s = self._clock()
+        if self.decide(requested_w, now_s) != "apply":
+            return self.in_force_w
+        if not self._started and not await self.start():
+            return None
+        target_w = self._target_w(requested_w)
+        try:
+            in_force_w = await asyncio.wait_for(self.limiter.set_total_w(target_w), self.timeout_s)
+        except (PowerLimitError, TimeoutError) as exc:
+            self._fail(exc, now_s, f"set {target_w:.0f} W")
+            return None
+        if self.degraded:
+            _log.info("%s: power limit control recovered", self.limiter.name)
+        self.degraded, self.degraded_reason = False, None
+        self._backoff_s = self.backoff_initial_s
+        self.in_force_w = in_force_w
+        self.last_change_s = now_s
+        self.changes_total += 1
+        return in_force_w
+
+    def _fail(self, exc: BaseException, now_s: float, what: str) -> None:
+        if isinstance(exc, TimeoutError) and not isinstance(exc, PowerLimitError):
+            exc = LimiterTimeout(f"{what}: no answer within {self.timeout_s:g} s")
+        reason = f"{type(exc).__name__}: {exc}"
+        self.failures_total += 1
+        self.in_force_w = None
+        self._retry_at_s = now_s + self._backoff_s
+        _log.warning(
+            "%s: %s failed, power limit control degraded (retry in %.0f s): %s",
+            self.limiter.name,
+            what,
+            self._backoff_s,
+            reason,
+        )
+        self._backoff_s = min(self._backoff_s * 2.0, self.backoff_max_s)
+        self.degraded, self.degraded_reason = True, reason
+
+    async def restore(self) -> None:
+        """Restore the default (raises PowerLimitError if that fails: the caller must know)."""
+        if self._started:
+            await asyncio.wait_for(self.limiter.restore(), self.timeout_s)
+            self.in_force_w = None
+
+    def status(self) -> dict[str, Any]:
+        """For /status and metrics."""
+        return {
+            "limiter": self.limiter.name,
+            "requested_w": self.requested_w,
+            "in_force_w": self.in_force_w,
+            "degraded": self.degraded,
+            "degraded_reason": self.degraded_reason,
+            "changes_total": self.changes_total,
+            "failures_total": self.failures_total,
+        }
