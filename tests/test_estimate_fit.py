@@ -76,9 +76,7 @@ def test_incremental_fit_matches_statsmodels_wls_on_the_window(half_life_s: floa
     """Through the window's filling, evictions, rebuilds, a load step and a clock stall."""
     rng = np.random.default_rng(11)
     window = 240
-    model = PowerModel(
-        PowerPrior.from_ceiling(600.0, 256), window=window, half_life_s=half_life_s
-    )
+    model = PowerModel(PowerPrior.from_ceiling(600.0, 256), window=window, half_life_s=half_life_s)
     rows: deque[tuple[float, Features, float]] = deque(maxlen=window)
     x = design_ray(Features(1.0, 900.0, 150.0, 35.0), np.arange(1, 257, dtype=float))
     _check(model, rows, x)  # the prior alone

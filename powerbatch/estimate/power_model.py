@@ -91,8 +91,9 @@ class PowerModel:
     and woke BLAS's thread pool, which then spun). The window's X'WX and X'Wy are kept
     incrementally: every sample rescales them by the forgetting factor, the evicted sample is
     subtracted, and they are rebuilt exactly once per window of samples so that rounding cannot
-    drift. The results equal statsmodels' WLS on the same rows (tests/test_estimate.py checks).
-    Nothing here calls BLAS on more than k×k numbers: see `_no_blas_threads`.
+    drift. The results equal statsmodels' WLS on the same rows (tests/test_estimate_fit.py).
+    Work over the window's n rows is elementwise numpy or einsum, never a BLAS call: BLAS only
+    ever sees k×k matrices, too small to wake its thread pool (tests/test_idle_cpu.py).
     """
 
     def __init__(
