@@ -1,6 +1,6 @@
 """Online regression of measured power on the operating point, with an upper prediction bound.
 
-Weighted least squares (statsmodels) over a sliding window whose weights halve every
+Weighted least squares over a sliding window whose weights halve every
 `half_life_s`, so the model follows a plant that drifts (thermals, a new model, a new load mix)
 and forgets what no longer holds. A weak prior, written as a few pseudo-observations, anchors
 predictions before data arrives and where the data never went: it is generic (idle near 11% of the
@@ -11,21 +11,20 @@ Nothing here knows the simulator's formulas; the controller trusts only what thi
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import statsmodels.api as sm
 from numpy.typing import NDArray
-from scipy import stats
-from statsmodels.tools.sm_exceptions import SingularMatrixWarning
+from scipy import special
 
 from powerbatch.estimate.features import REGRESSORS, Features, design_matrix, design_row
 
 # Facts file: a safe default cap is about 70% of TDP; idle H200 draws about 78 W of 700 W.
 _CEILING_OVER_TDP = 0.7
 _IDLE_OVER_TDP = 0.11
+# Eigenvalues of X'WX below this share of the largest count as zero (a rank-deficient design).
+_RCOND = 1e-12
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +83,18 @@ class Prediction:
 
 
 class PowerModel:
-    """Sliding-window WLS of power on `Features`, refit lazily when asked to predict."""
+    """Sliding-window WLS of power on `Features`, refit lazily when asked to predict.
+
+    The fit is the normal equations of the weighted least squares, so it costs O(k²) per sample
+    and O(k³) plus one pass over the window per refit (k = 6 regressors), with no statsmodels on
+    the control loop (a statsmodels refit took several milliseconds at a full 1,500-sample window,
+    and woke BLAS's thread pool, which then spun). The window's X'WX and X'Wy are kept
+    incrementally: every sample rescales them by the forgetting factor, the evicted sample is
+    subtracted, and they are rebuilt exactly once per window of samples so that rounding cannot
+    drift. The results equal statsmodels' WLS on the same rows (tests/test_estimate_fit.py).
+    Work over the window's n rows is elementwise numpy or einsum, never a BLAS call: BLAS only
+    ever sees k×k matrices, too small to wake its thread pool (tests/test_idle_cpu.py).
+    """
 
     def __init__(
         self,
@@ -96,16 +106,23 @@ class PowerModel:
     ) -> None:
         if not 0.5 < confidence < 1.0:
             raise ValueError("confidence must be in (0.5, 1)")
+        if window < 1:
+            raise ValueError("window must be at least 1")
         self.prior = prior
         self.half_life_s = half_life_s
         self.confidence = confidence
+        k = len(REGRESSORS)
         # Ring buffers: a fit reads them whole, in any order (weights carry recency).
         self._t = np.zeros(window)
-        self._x = np.zeros((window, len(REGRESSORS)))
+        self._x = np.zeros((window, k))
         self._y = np.zeros(window)
         self._n = 0
         self._next = 0
         self._t_last = 0.0
+        # Sums over the window, weighted relative to the newest sample (whose weight is 1).
+        self._xtwx = np.zeros((k, k))
+        self._xtwy = np.zeros(k)
+        self._since_rebuild = 0
         # The prior enters twice: a few points that give a level before any data (weak: levels
         # differ by hundreds of watts between plants), and ridge rows that pull each slope
         # towards the prior's slope (stronger: it settles directions the data has not
@@ -114,14 +131,18 @@ class PowerModel:
         px = design_matrix([f for f, _ in prior_points])
         py = np.array([p for _, p in prior_points])
         slopes = np.linalg.lstsq(px, py, rcond=None)[0]
-        k = px.shape[1] - 1
-        ridge_x = np.hstack([np.zeros((k, 1)), np.eye(k)])
+        ridge_x = np.hstack([np.zeros((k - 1, 1)), np.eye(k - 1)])
         self._prior_x = np.vstack([px, ridge_x])
         self._prior_y = np.concatenate([py, slopes[1:]])
         self._prior_w = np.concatenate(
-            [np.full(len(py), prior.weight / len(py)), np.full(k, prior.slope_weight)]
+            [np.full(len(py), prior.weight / len(py)), np.full(k - 1, prior.slope_weight)]
         )
-        self._result: sm.regression.linear_model.RegressionResults | None = None
+        self._prior_xtwx = (self._prior_x * self._prior_w[:, None]).T @ self._prior_x
+        self._prior_xtwy = (self._prior_x * self._prior_w[:, None]).T @ self._prior_y
+        # The fit: coefficients, (X'WX)⁺ (statsmodels' normalized_cov_params), WLS scale.
+        self._params = np.zeros(k)
+        self._cov = np.zeros((k, k))
+        self._scale = 1.0
         self._noise_var = 0.0
         self._noise_df = 1.0
         self._quantile = 1.0
@@ -134,38 +155,78 @@ class PowerModel:
     def observe(self, t_s: float, features: Features, power_w: float) -> None:
         if not math.isfinite(power_w):
             return
-        i = self._next
-        self._t[i], self._x[i], self._y[i] = t_s, design_row(features), power_w
-        self._next = (i + 1) % len(self._y)
-        self._n = min(self._n + 1, len(self._y))
+        row = design_row(features)
+        if not np.isfinite(row).all():
+            return  # one NaN would poison every fit until it left the window
+        i, window = self._next, len(self._y)
+        evicted = self._n == window
+        x_old, y_old, t_old = self._x[i].copy(), self._y[i], self._t[i]
+        self._t[i], self._x[i], self._y[i] = t_s, row, power_w
+        self._next = (i + 1) % window
+        had = self._n
+        self._n = min(self._n + 1, window)
+        decay = math.exp2(-(t_s - self._t_last) / self.half_life_s) if had else 0.0
         self._t_last = t_s
         self._dirty = True
+        self._since_rebuild += 1
+        if self._since_rebuild >= window or not 0.0 <= decay <= 1.0:
+            # Once a window (rounding must not drift), and if the clock went backwards.
+            self._rebuild()
+            return
+        self._xtwx *= decay
+        self._xtwy *= decay
+        if evicted:
+            w_old = math.exp2(-(t_s - t_old) / self.half_life_s)
+            self._xtwx -= w_old * np.outer(x_old, x_old)
+            self._xtwy -= (w_old * y_old) * x_old
+        self._xtwx += np.outer(row, row)
+        self._xtwy += power_w * row
 
-    def _fit(self) -> sm.regression.linear_model.RegressionResults:
-        if self._result is not None and not self._dirty:
-            return self._result
+    def _weights(self) -> NDArray[np.float64]:
+        return np.exp2(-(self._t_last - self._t[: self._n]) / self.half_life_s)
+
+    def _rebuild(self) -> None:
+        """X'WX and X'Wy from the window afresh (einsum: element loops, no BLAS threads)."""
         n = self._n
+        w, xs = self._weights(), self._x[:n]
+        self._xtwx = np.einsum("i,ij,ik->jk", w, xs, xs)
+        self._xtwy = np.einsum("i,ij,i->j", w, xs, self._y[:n])
+        self._since_rebuild = 0
+
+    def _fit(self) -> None:
+        if not self._dirty:
+            return
+        n = self._n
+        xtwx = self._prior_xtwx + self._xtwx
+        xtwy = self._prior_xtwy + self._xtwy
+        # (X'WX)⁺ from its eigenvectors: for a full-rank design (the ridge rows see to that) it
+        # is the inverse; statsmodels' pinv of the whitened design gives the same matrix.
+        vals, vecs = np.linalg.eigh(xtwx)
+        keep = vals > _RCOND * max(float(vals[-1]), 0.0)
+        rank = int(keep.sum())
+        v = vecs[:, keep]
+        self._cov = cov = (v / vals[keep]) @ v.T
+        self._params = params = cov @ xtwy
+        prior_resid = self._prior_y - (self._prior_x * params).sum(axis=1)
+        ssr = float(self._prior_w @ prior_resid**2)
         if n:
-            w = np.exp2(-(self._t_last - self._t[:n]) / self.half_life_s)
+            w = self._weights()
             xs, ys = self._x[:n], self._y[:n]
-            x = np.vstack([self._prior_x, xs])
-            y = np.concatenate([self._prior_y, ys])
-            weights = np.concatenate([self._prior_w, w])
-        else:
-            x, y, weights = self._prior_x, self._prior_y, self._prior_w
-        with warnings.catch_warnings():
-            # Rank deficiency is expected (kv and decode move with batch); pinv copes with it.
-            warnings.simplefilter("ignore", SingularMatrixWarning)
-            self._result = result = sm.WLS(y, x, weights=weights).fit()
-        self._noise_var, self._noise_df = float(result.scale), float(result.df_resid)
+            resid = ys - (xs * params).sum(axis=1)  # elementwise: no BLAS threads on n rows
+            ssr += float((w * resid * resid).sum())
+        # statsmodels' WLS sees no constant column (the ridge rows hold 0 there), so its
+        # df_model is the rank and df_resid the rows less the rank.
+        df_resid = len(self._prior_y) + n - rank
+        self._scale = ssr / df_resid if df_resid > 0 else math.nan
+        self._noise_var, self._noise_df = self._scale, float(df_resid)
         if n:
             # The noise of a fresh reading comes from real readings only: the prior's misfit is
             # not sensor noise and would widen every bound. The scale is robust (a weighted
             # MAD, weights meaning recency): a start-up ramp or a load step leaves a few huge
             # residuals that say nothing about the steady noise the bound is for.
-            resid = np.abs(ys - np.asarray(result.predict(xs)))
+            resid = np.abs(resid)
             n_eff = w.sum() ** 2 / (w**2).sum()
-            df = n_eff - result.df_model - 1
+            df = n_eff - rank - 1
             if df >= 3:
                 order = np.argsort(resid)
                 cum = np.cumsum(w[order])
@@ -176,9 +237,9 @@ class PowerModel:
                 k, prior_var = self.prior.noise_samples, self.prior.noise_w**2
                 var = (df * var + k * prior_var) / (df + k)
                 self._noise_var, self._noise_df = max(var, 1e-6), df + k
-        self._quantile = float(stats.t.ppf(self.confidence, self._noise_df))
+        # scipy.special.stdtrit is what stats.t.ppf computes, without its ~0.2 ms of overhead.
+        self._quantile = float(special.stdtrit(self._noise_df, self.confidence))
         self._dirty = False
-        return result
 
     def predict(self, points: Sequence[Features]) -> Prediction:
         """Mean and one-sided upper bound (at `confidence`) for a fresh reading at each point."""
@@ -186,12 +247,15 @@ class PowerModel:
 
     def predict_design(self, x: NDArray[np.float64]) -> Prediction:
         """`predict` for rows already in design form (see features.design_matrix)."""
-        result = self._fit()
-        pred = result.get_prediction(x, weights=1.0)  # a fresh reading: full weight
-        mean = np.asarray(pred.predicted_mean)
-        # statsmodels' parameter uncertainty, rescaled to the noise of real readings.
-        se_mean = np.asarray(pred.se_mean) * math.sqrt(self._noise_var / max(result.scale, 1e-12))
-        upper = mean + self._quantile * np.sqrt(se_mean**2 + self._noise_var)
+        self._fit()
+        x = np.asarray(x, dtype=float)
+        mean = (x * self._params).sum(axis=1)
+        # The parameters' uncertainty at each row (x (X'WX)⁺ x', times the WLS scale, as
+        # statsmodels' se_mean), rescaled to the noise of real readings; plus that noise.
+        leverage = np.maximum(np.einsum("ij,jk,ik->i", x, self._cov, x), 0.0)
+        rescale = self._noise_var / max(self._scale, 1e-12)
+        se_mean2 = leverage * self._scale * rescale
+        upper = mean + self._quantile * np.sqrt(se_mean2 + self._noise_var)
         return Prediction(mean_w=mean, upper_w=upper)
 
     def predict_one(self, point: Features) -> tuple[float, float]:
@@ -200,8 +264,8 @@ class PowerModel:
 
     def coefficients(self) -> dict[str, float]:
         """Fitted coefficients by regressor name (scaled units; for status and debugging)."""
-        params = self._fit().params
-        return {name: float(v) for name, v in zip(REGRESSORS, params, strict=True)}
+        self._fit()
+        return {name: float(v) for name, v in zip(REGRESSORS, self._params, strict=True)}
 
     def noise_quantile_w(self) -> float:
         """How far above its mean a fresh reading may land, at `confidence` (one-sided)."""
