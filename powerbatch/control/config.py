@@ -88,6 +88,17 @@ class Gains:
     )
     demand_slack: int = setting(2, "and by this many requests", ge=0)
     demand_window_s: float = setting(10.0, "window of recent peak demand, s", gt=0)
+    # Device limit. With a power limiter, the limit is set at ceiling × (1 − limit_margin_frac):
+    # the driver holds it within milliseconds, so it needs only a sliver of margin. Admission
+    # then lets the model's uncapped demand run up to throttle_allowance over the limit: decode
+    # is memory-bound, so a shallow throttle costs little, while deep throttling serves the same
+    # tokens slower (ML.ENERGY leaderboard power-limit sweeps; Patel et al., ASPLOS'24).
+    limit_margin_frac: float = setting(
+        0.01, "the device limit is set this share under the ceiling", ge=0, lt=0.5
+    )
+    throttle_allowance: float = setting(
+        0.15, "admission lets uncapped demand exceed the device limit by this share", ge=0, le=1
+    )
     # The learned shape of one request (KV, prefill, decode rates) follows the load mix with
     # this EWMA weight per tick: slow, the mix changes over tens of ticks.
     shape_rate: float = setting(0.1, "EWMA weight per tick of the per-request shape", gt=0, le=1)
@@ -171,11 +182,18 @@ class ControlConfig:
 
     @property
     def margin(self) -> float:
-        return self.margin_w if self.margin_w is not None else 0.02 * self.ceiling_w
+        return self.margin_at(self.ceiling_w)
 
     @property
     def hysteresis(self) -> float:
-        return self.hysteresis_w if self.hysteresis_w is not None else 0.01 * self.ceiling_w
+        return self.hysteresis_at(self.ceiling_w)
+
+    def margin_at(self, ceiling_w: float) -> float:
+        """The margin under a ceiling that may move (a fleet share): watts, or 2% of it."""
+        return self.margin_w if self.margin_w is not None else 0.02 * ceiling_w
+
+    def hysteresis_at(self, ceiling_w: float) -> float:
+        return self.hysteresis_w if self.hysteresis_w is not None else 0.01 * ceiling_w
 
 
 @dataclass(frozen=True, slots=True)

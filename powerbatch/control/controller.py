@@ -71,6 +71,8 @@ class Observation:
     sensor_error: str | None = None
     latency: LatencySnapshot | None = None
     kv_cache_usage: float | None = None  # upstream's, 0..1
+    ceiling_w: float | None = None  # this tick's ceiling (a fleet share); None: the configured
+    power_limit_w: float | None = None  # device limit in force; None: no limiter, or degraded
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +89,9 @@ class Decision:
     multipliers: dict[str, float] = field(default_factory=dict)
     emergency: bool = False
     reason: str = ""
+    ceiling_w: float = math.nan  # the ceiling this decision held
+    power_limit_w: float | None = None  # the device limit to set (a limiter applies it)
+    capped: bool = False  # a device limit in force held the ceiling this tick
 
 
 @functools.lru_cache(maxsize=256)
@@ -156,6 +161,7 @@ class Controller:
         anchor_batch: float,
         mean_w: np.ndarray,
         upper_w: np.ndarray,
+        hysteresis_w: float,
     ) -> int:
         """The largest batch power allows this tick: the meter for here, the model for there.
 
@@ -191,7 +197,7 @@ class Controller:
             model_n = self._largest_batch_under(upper_w, target_w)
             floor_n = math.floor((1.0 - cfg.gains.step_down_frac) * current)
             return max(min(current, max(n, model_n)), floor_n)
-        room_w = target_w - cfg.hysteresis
+        room_w = target_w - hysteresis_w
         if power_w >= room_w:
             return current
         n_grow = self._largest_batch_under(upper_w, room_w)
@@ -327,7 +333,16 @@ class Controller:
             )
 
         g = cfg.gains
-        self.model.observe(obs.t_s, obs.features, obs.power_w)
+        ceiling_w = obs.ceiling_w if obs.ceiling_w is not None else cfg.ceiling_w
+        # A device limit at or under the ceiling holds it on the fast path; admission then
+        # decides who gets the watts (see Gains.throttle_allowance).
+        limit_w = obs.power_limit_w
+        capped = limit_w is not None and limit_w <= ceiling_w + 0.5
+        # Pinned at the limit, the meter shows the cap, not what the batch would draw: such a
+        # reading is censored and would teach the model a flat curve, so it is not learned.
+        censored = capped and limit_w is not None and obs.power_w >= 0.98 * limit_w
+        if not censored:
+            self.model.observe(obs.t_s, obs.features, obs.power_w)
         self._recent_power.append((obs.t_s, obs.power_w))
         while self._recent_power[0][0] < obs.t_s - g.meter_window_s:
             self._recent_power.popleft()
@@ -336,10 +351,20 @@ class Controller:
         current = self._batch
         power_w, anchor, in_flight, queued = self._as_enforced(obs, current, pred.mean_w)
 
-        goal_w = cfg.ceiling_w - cfg.margin
+        if capped and limit_w is not None:
+            # The meter reads the cap; judge the batch by the model's uncapped demand.
+            lo = cfg.min_batch
+            at = round(min(max(anchor, lo), cfg.max_batch)) - lo
+            demand_w = max(power_w, float(pred.mean_w[at]))
+            goal_w = limit_w * (1.0 + g.throttle_allowance)
+            violation_w = power_w - ceiling_w  # only a breach of the ceiling itself
+        else:
+            demand_w = power_w
+            goal_w = ceiling_w - cfg.margin_at(ceiling_w)
+            violation_w = power_w - goal_w
         if not warming:
-            lam = self._lambda["power"] + g.power_gain * (power_w - goal_w)
-            self._lambda["power"] = min(max(lam, 0.0), g.power_lambda_max_frac * cfg.ceiling_w)
+            lam = self._lambda["power"] + g.power_gain * violation_w
+            self._lambda["power"] = min(max(lam, 0.0), g.power_lambda_max_frac * ceiling_w)
             self._update_latency(obs.latency, in_flight)
             self._update_kv(obs.kv_cache_usage)
         target_w = goal_w - self._lambda["power"]
@@ -350,9 +375,10 @@ class Controller:
             # Queueing is hurting first tokens: grow faster where watts allow.
             step = math.ceil(step * g.ttft_step_boost)
         peak = self._recent_peak_demand(obs.t_s, in_flight + queued)
+        hysteresis_w = cfg.hysteresis_at(ceiling_w)
         caps = {
             "power": self._power_cap(
-                power_w, target_w, current, step, anchor, pred.mean_w, pred.upper_w
+                demand_w, target_w, current, step, anchor, pred.mean_w, pred.upper_w, hysteresis_w
             ),
             "latency": int(self._latency_batch),
             "demand": max(cfg.initial_batch, math.ceil(peak * g.demand_headroom) + g.demand_slack),
@@ -361,7 +387,7 @@ class Controller:
         binding = min(caps, key=lambda k: caps[k])
         cap = caps[binding]
 
-        breach = power_w > cfg.ceiling_w
+        breach = power_w > ceiling_w
         # Cut once per breach, then give the cut time to show before cutting again: admission
         # cannot preempt, so power falls only as requests finish.
         emergency = breach and obs.t_s >= self._cut_until_s
@@ -405,15 +431,18 @@ class Controller:
             upper_w,
             target_w,
             emergency=emergency,
-            reason=self._explain(binding, emergency, obs),
+            capped=capped,
+            reason=self._explain(binding, emergency, obs, ceiling_w, capped),
         )
 
-    def _explain(self, binding: str, emergency: bool, obs: Observation) -> str:
+    def _explain(
+        self, binding: str, emergency: bool, obs: Observation, ceiling_w: float, capped: bool
+    ) -> str:
         cfg = self.config
         if emergency:
-            return (
-                f"measured {obs.power_w:.0f} W over the {cfg.ceiling_w:.0f} W ceiling: cut at once"
-            )
+            return f"measured {obs.power_w:.0f} W over the {ceiling_w:.0f} W ceiling: cut at once"
+        if binding == "power" and capped:
+            return "the device limit holds the ceiling; the throttle allowance sets the batch"
         lat = obs.latency
         ttft = lat.ttft_p95_s if lat else None
         if binding == "power" and ttft is not None and ttft > cfg.ttft_slo_s:
@@ -442,13 +471,17 @@ class Controller:
         target_w: float,
         *,
         emergency: bool = False,
+        capped: bool = False,
         reason: str = "",
     ) -> Decision:
         cfg = self.config
+        ceiling_w = obs.ceiling_w if obs.ceiling_w is not None else cfg.ceiling_w
         if cfg.mode == "observe":
             enforced = Limits(cfg.max_batch, cfg.max_kv_tokens, None)
+            limit_w = None  # observing enforces nothing, the device limit included
         else:
             enforced = proposed
+            limit_w = ceiling_w * (1.0 - cfg.gains.limit_margin_frac)
         decision = Decision(
             t_s=obs.t_s,
             enforced=enforced,
@@ -462,6 +495,9 @@ class Controller:
             multipliers=dict(self._lambda),
             emergency=emergency,
             reason=reason,
+            ceiling_w=ceiling_w,
+            power_limit_w=limit_w,
+            capped=capped,
         )
         self.last = decision
         return decision

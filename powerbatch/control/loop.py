@@ -23,6 +23,7 @@ from powerbatch.control.controller import Controller, Decision, Limits, Observat
 from powerbatch.control.latency import LatencySnapshot
 from powerbatch.control.metrics import ControlMetrics
 from powerbatch.estimate import Features
+from powerbatch.telemetry.limiter import LimitActuator
 from powerbatch.telemetry.monitor import PowerMonitor, PowerReading
 from powerbatch.telemetry.trace import TraceRow, TraceWriter
 
@@ -59,6 +60,14 @@ class LimitsSink(Protocol):
     def apply(self, decision: Decision) -> None: ...
 
     def fail_safe(self) -> None: ...
+
+
+class CeilingSource(Protocol):
+    """Where this tick's ceiling comes from when it moves (a fleet budget's lease)."""
+
+    def ceiling_w(self, t_s: float) -> float | None:
+        """The ceiling now, or None for the configured one."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,8 +215,14 @@ class ControlLoop:
         history_len: int = 36_000,
         trace: TraceWriter | None = None,
         clock: Callable[[], float] = time.monotonic,
+        ceiling: CeilingSource | None = None,
+        actuator: LimitActuator | None = None,
     ) -> None:
         self.controller = controller
+        self.ceiling = ceiling
+        # The device power limit: a second, fast actuator; None or NoLimiter: admission alone.
+        self.actuator = actuator if actuator and actuator.limiter.controls_device else None
+        self._applying: asyncio.Task[None] | None = None
         self.monitor = monitor
         self.features = features
         self.sinks = list(sinks)
@@ -264,7 +279,13 @@ class ControlLoop:
     # -- running ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the power monitor and the tick task on the running event loop."""
+        """Start the power monitor and the tick task on the running event loop.
+
+        The limiter starts first: it restores a limit a crashed run left behind before
+        anything else happens. A limiter that cannot start leaves admission alone in charge.
+        """
+        if self.actuator is not None and not await self.actuator.start():
+            log.error("power limiter degraded at start: %s", self.actuator.degraded_reason)
         await self.monitor.start()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self.run(), name="powerbatch-control")
@@ -279,6 +300,15 @@ class ControlLoop:
         await self.monitor.stop()
         if self.trace is not None:
             self.trace.close()
+        if self.actuator is not None:
+            if self._applying is not None:
+                with contextlib.suppress(Exception):
+                    await self._applying
+            try:
+                await self.actuator.restore()
+            except Exception as exc:  # the state file makes the next start restore it
+                log.error("could not restore the device power limit: %s", exc)
+            await self.actuator.limiter.close()
 
     async def run(self) -> None:
         """Tick at `tick_hz` until cancelled; a tick that raises holds the safe limits."""
@@ -334,10 +364,13 @@ class ControlLoop:
             queued=host.queued,
             latency=latency,
             kv_cache_usage=host.kv_cache_usage,
+            ceiling_w=self.ceiling.ceiling_w(t_s) if self.ceiling is not None else None,
+            power_limit_w=self._limit_in_force_w(),
         )
         d = self.controller.tick(obs)
         for sink in self.sinks:
             sink.apply(d)
+        self._apply_limit(d.power_limit_w)
         self._sample, self._latency, self._tick_error = host, latency, None
         if t_s - self._model_at >= 1.0:  # for /status, off its request path
             self._model_at = t_s
@@ -371,6 +404,35 @@ class ControlLoop:
                 self.trace = None
         return d
 
+    def _limit_in_force_w(self) -> float | None:
+        """The device limit the controller may lean on: None while degraded (then admission
+        alone holds the ceiling with the software margin) or with no limiter."""
+        a = self.actuator
+        if a is None or a.degraded:
+            return None
+        return a.in_force_w
+
+    def _apply_limit(self, requested_w: float | None) -> None:
+        """Hand the requested limit to the actuator off the tick: a set takes milliseconds to
+        a second (zeusd's block=true), and the tick must not wait. One set at a time; the next
+        tick brings the newest request."""
+        if self.actuator is None or requested_w is None:
+            return
+        if self._applying is not None and not self._applying.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven by hand, without a loop (tests of the tick alone)
+            return
+        self._applying = loop.create_task(self._apply(requested_w), name="powerbatch-limit")
+
+    async def _apply(self, requested_w: float) -> None:
+        assert self.actuator is not None
+        try:
+            await self.actuator.apply(requested_w)
+        except Exception:  # the actuator reports its own failures; this is a bug guard
+            log.exception("applying the device power limit failed")
+
     def _export(
         self,
         d: Decision,
@@ -381,6 +443,8 @@ class ControlLoop:
         m = self.metrics
         m.ticks.inc()
         m.export_decision(d, reading.raw_w, reading.energy_j)
+        if self.actuator is not None:
+            m.export_limiter(self.actuator.status())
         m.export_latency(latency)
         m.ready.set(1.0 if reading.ok else 0.0)
         for name in ("batch", "kv_tokens", "prefill_tok_s", "decode_tok_s"):
@@ -436,7 +500,8 @@ class ControlLoop:
                 "predicted_w": d.predicted_w if d else None,
                 "predicted_upper_w": d.predicted_upper_w if d else None,
                 "target_w": d.target_w if d else None,
-                "ceiling_w": cfg.ceiling_w,
+                "ceiling_w": d.ceiling_w if d else cfg.ceiling_w,
+                "capped": d.capped if d else False,
                 "energy_j": reading.energy_j,
                 "sensor_ok": reading.ok,
                 "sensor_error": reading.error,
@@ -456,6 +521,7 @@ class ControlLoop:
                 "waiting": host.queued if host else 0,
             },
             "model": dict(self._model),
+            "power_limit": self.actuator.status() if self.actuator is not None else None,
         }
         for key, section in self.features.status_extra().items():
             if isinstance(doc.get(key), dict) and isinstance(section, dict):

@@ -7,6 +7,8 @@ state, so a dashboard can plot which constraint binds over time.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -40,7 +42,33 @@ class ControlMetrics:
             "Upper prediction bound at the chosen batch",
             registry=r,
         )
-        self.ceiling_w = Gauge("powerbatch_power_ceiling_watts", "Hard ceiling", registry=r)
+        self.ceiling_w = Gauge(
+            "powerbatch_power_ceiling_watts",
+            "Hard ceiling in force (a fleet share moves it)",
+            registry=r,
+        )
+        self.power_limit_w = Gauge(
+            "powerbatch_device_power_limit_watts",
+            "The GPUs' power limit, summed: what the controller asked for, and what is in force",
+            ["kind"],
+            registry=r,
+        )
+        self.power_limit_degraded = Gauge(
+            "powerbatch_device_power_limit_degraded",
+            "1 while the power limiter fails: admission alone holds the ceiling",
+            registry=r,
+        )
+        self.power_limit_changes = Counter(
+            "powerbatch_device_power_limit_changes",
+            "Device power limit changes applied",
+            registry=r,
+        )
+        self.power_limit_failures = Counter(
+            "powerbatch_device_power_limit_failures",
+            "Device power limit sets or reads that failed or timed out",
+            registry=r,
+        )
+        self._limiter_counts = (0, 0)
         self.target_w = Gauge(
             "powerbatch_power_target_watts", "Ceiling less margin and multiplier", registry=r
         )
@@ -111,6 +139,8 @@ class ControlMetrics:
     ) -> None:
         """Set every gauge above from one tick's decision; `raw_w` is the unfiltered sample."""
         self.power_w.set(d.power_w if d.power_w is not None else math.nan)
+        if math.isfinite(d.ceiling_w):
+            self.ceiling_w.set(d.ceiling_w)
         self.power_raw_w.set(raw_w if raw_w is not None else math.nan)
         self.energy_j.set(energy_j if energy_j is not None else math.nan)
         self.sensor_ok.set(0.0 if d.state == "fail_closed" else 1.0)
@@ -127,6 +157,18 @@ class ControlMetrics:
             self.binding.labels(b).set(1.0 if b == d.binding else 0.0)
         for s in self.states:
             self.state.labels(s).set(1.0 if s == d.state else 0.0)
+
+    def export_limiter(self, status: Mapping[str, Any]) -> None:
+        """The power limiter's state (`LimitActuator.status()`)."""
+        for kind, key in (("requested", "requested_w"), ("in_force", "in_force_w")):
+            value = status.get(key)
+            self.power_limit_w.labels(kind).set(math.nan if value is None else value)
+        self.power_limit_degraded.set(1.0 if status.get("degraded") else 0.0)
+        changes, failures = int(status["changes_total"]), int(status["failures_total"])
+        seen_changes, seen_failures = self._limiter_counts
+        self.power_limit_changes.inc(max(0, changes - seen_changes))
+        self.power_limit_failures.inc(max(0, failures - seen_failures))
+        self._limiter_counts = (changes, failures)
 
     def export_latency(self, lat: LatencySnapshot | None) -> None:
         """The p95s the latency constraint sees (NaN while the window holds too few)."""

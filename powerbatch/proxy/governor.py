@@ -16,9 +16,10 @@ from typing import Any
 
 from powerbatch.admission import PRIORITIES, AdmissionQueue
 from powerbatch.control import Controller, Decision, LatencySnapshot, LatencyWindow, Limits
-from powerbatch.control.loop import ControlLoop, HostSample, LimitsSink, TickRecord
+from powerbatch.control.loop import CeilingSource, ControlLoop, HostSample, LimitsSink, TickRecord
 from powerbatch.proxy.metrics import ProxyMetrics
 from powerbatch.telemetry import PowerMonitor, UpstreamMetricsScraper, UpstreamSignals
+from powerbatch.telemetry.limiter import LimitActuator
 from powerbatch.telemetry.trace import TraceRow, TraceWriter
 
 __all__ = ["AdmissionSink", "Governor", "ProxyFeatures", "TickRecord"]
@@ -133,6 +134,8 @@ class Governor:
         history_len: int = 36_000,
         trace: TraceWriter | None = None,
         extra_sinks: tuple[LimitsSink, ...] = (),
+        actuator: LimitActuator | None = None,
+        ceiling: CeilingSource | None = None,
     ) -> None:
         self.controller = controller
         self.queue = queue
@@ -154,6 +157,8 @@ class Governor:
             source_averages=source_averages,
             history_len=history_len,
             trace=trace,
+            actuator=actuator,
+            ceiling=ceiling,
         )
         self._scrape_task: asyncio.Task[None] | None = None
 

@@ -82,7 +82,7 @@ LimiterKind = Literal["none", "nvml", "zeusd"]
 
 @dataclass(frozen=True, slots=True)
 class LimiterSettings:
-    """Power limiter: the GPUs' power limit as a second actuator (not yet used by the controller)"""
+    """Power limiter: the GPUs' power limit as a second, fast actuator"""
 
     power_limiter: LimiterKind = setting(
         "none",
