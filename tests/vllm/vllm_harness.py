@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import statistics
 import sys
 import threading
 import time
@@ -264,7 +265,7 @@ def summarize(values: list[float]) -> dict[str, float]:
     return {
         "n": len(vs),
         "min": vs[0],
-        "median": vs[len(vs) // 2],
+        "median": statistics.median(vs),
         "p95": vs[min(len(vs) - 1, math.ceil(0.95 * len(vs)) - 1)],
         "max": vs[-1],
         "mean": sum(vs) / len(vs),
