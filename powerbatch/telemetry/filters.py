@@ -71,7 +71,7 @@ def ewma_step(average: float | None, x: float, alpha: float) -> float:
 def half_life_alpha(dt_s: float, half_life_s: float) -> float:
     """The EWMA weight of a sample `dt_s` after the previous one: 1 - 2**(-dt_s / half_life_s),
     so the old average's weight halves every `half_life_s` whatever the sampling rate."""
-    return 1.0 - 2.0 ** (-dt_s / half_life_s)
+    return 1.0 - math.exp2(-dt_s / half_life_s)
 
 
 class Ewma:
