@@ -24,6 +24,7 @@ from powerbatch.proxy.auth import ApiKeys, auth_middleware
 from powerbatch.proxy.errors import error_body, error_response, sse_error_event
 from powerbatch.proxy.governor import Governor
 from powerbatch.proxy.parse import BadRequest, RequestInfo, parse_request
+from powerbatch.sse import usage_completion_tokens
 
 log = logging.getLogger("powerbatch.proxy")
 
@@ -89,19 +90,6 @@ def _plain_error(status: int, message: str, code: str, type_: str) -> web.Respon
     resp = web.json_response(body, status=status)
     resp.force_close()  # the rest of the request may never come: don't wait for it
     return resp
-
-
-def _usage_completion_tokens(tail: bytes) -> int | None:
-    """completion_tokens from the usage event at the end of a stream, if the client asked for it."""
-    for event in reversed(tail.split(b"\n\n")):
-        if event.startswith(b"data: {") and b'"usage"' in event:
-            try:
-                usage = json.loads(event[6:]).get("usage") or {}
-                tokens = usage.get("completion_tokens")
-                return int(tokens) if tokens is not None else None
-            except (ValueError, AttributeError, TypeError):
-                return None
-    return None
 
 
 def _is_json_error(body: bytes) -> bool:
@@ -323,7 +311,7 @@ class ProxyHandlers:
             async with asyncio.timeout(write_s):
                 if pending:
                     await resp.write(pending)
-                tokens = _usage_completion_tokens(tail)
+                tokens = usage_completion_tokens(tail)
                 if tokens is not None:
                     self.gov.output_tokens_total += tokens - events
                 else:
