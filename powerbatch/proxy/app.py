@@ -43,9 +43,6 @@ _HOP_BY_HOP = frozenset(
         "Content-Length",
     )
 )
-GOVERNOR: web.AppKey[Governor] = web.AppKey("governor", Governor)
-SETTINGS: web.AppKey[ProxySettings] = web.AppKey("settings", object)  # type: ignore[arg-type]
-SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("session", aiohttp.ClientSession)
 
 
 ADMIN_PATHS = ("/metrics", "/status", "/status/history")
@@ -253,7 +250,7 @@ class ProxyHandlers:
             tokens = None
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 tokens = int(json.loads(body)["usage"]["completion_tokens"])
-            self._record(priority, t0, first_s=now, last_s=now, tokens=tokens, ok=True)
+            self._record(priority, t0, first_s=now, last_s=now, tokens=tokens)
         else:
             m.requests.labels(priority, "upstream_error").inc()
             if up.status >= 500 and not _is_json_error(body):
@@ -317,9 +314,7 @@ class ProxyHandlers:
                 else:
                     tokens = max(events - 2, 0)  # the role event and [DONE] carry no token
                 now = time.monotonic()
-                self._record(
-                    priority, t0, first_s=first_s or now, last_s=now, tokens=tokens, ok=True
-                )
+                self._record(priority, t0, first_s=first_s or now, last_s=now, tokens=tokens)
                 await resp.write_eof()
         except _UpstreamFailed as exc:
             log.warning("upstream stream failed: %s", exc)
@@ -352,8 +347,8 @@ class ProxyHandlers:
         first_s: float,
         last_s: float,
         tokens: int | None,
-        ok: bool,
     ) -> None:
+        """A request answered whole: its outcome `ok`, latencies and tokens."""
         m = self.gov.metrics
         ttft_s = first_s - t0
         tpot_s = (
@@ -361,7 +356,7 @@ class ProxyHandlers:
             if tokens and tokens > 1 and last_s > first_s
             else None
         )
-        m.requests.labels(priority, "ok" if ok else "upstream_error").inc()
+        m.requests.labels(priority, "ok").inc()
         m.ttft_s.labels(priority).observe(ttft_s)
         m.e2e_s.labels(priority).observe(last_s - t0)
         if tpot_s is not None:
@@ -479,7 +474,6 @@ def create_app(
     middlewares = [auth_middleware(settings.api_keys)] if settings.api_keys is not None else []
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     h = ProxyHandlers(gov, settings)
-    app[GOVERNOR] = gov
 
     async def lifecycle(app: web.Application) -> Any:
         own = session is None
