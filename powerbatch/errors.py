@@ -1,13 +1,27 @@
 """Every exception powerbatch raises, in one tree.
 
+Classes defined elsewhere name their module in brackets; all derive from a class here.
+
     PowerbatchError
     ├── ConfigError                 bad settings; raised at start-up, never at run time
+    │   └── UnsupportedVllmVersion  [powerbatch_vllm.compat] vLLM outside the tested range
     ├── TelemetryError              a power reading could not be had
     │   ├── SensorUnavailable       no device / endpoint / library (e.g. no NVML driver)
     │   ├── SensorReadError         the source answered, but not with a usable sample
     │   └── StaleSample             the newest sample is older than allowed
     ├── PowerLimitError             the hardware power limit could not be set or restored
-    └── ReplayError                 a recorded trace is malformed
+    ├── ReplayError                 a recorded trace is malformed
+    │   └── TraceExhausted          [telemetry.replay] every row served: over, not broken
+    ├── RequestError                a request answered with an HTTP error instead of service
+    │   ├── BadRequest              [proxy.parse] a body the proxy cannot serve (400; ValueError)
+    │   ├── Rejected                [admission] the queue will not serve it (429/503/504)
+    │   └── ApiError                [sim.server] the simulator's OpenAI-shaped error answer
+    ├── _UpstreamFailed             [proxy.app] the upstream broke off or went silent mid-stream
+    ├── QueueFull                   [sim.engine] the simulator's waiting queue is full
+    ├── RequestTooLarge             [sim.engine] a request could never fit the KV cache
+    ├── EngineStopped               [sim.engine] the engine stopped before a request finished
+    └── ChildFailed                 [cli.process] a child process exited or never became ready
+                                    (also a RuntimeError)
 
 The controller treats any TelemetryError as "no trustworthy reading" and fails closed.
 """
@@ -45,3 +59,7 @@ class PowerLimitError(PowerbatchError):
 
 class ReplayError(PowerbatchError):
     """A recorded trace could not be read."""
+
+
+class RequestError(PowerbatchError):
+    """A request that gets an HTTP error answer (its status and message) instead of service."""

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 from powerbatch.admission.priority import DEFERRABLE, PRIORITIES, rank
 from powerbatch.control import Limits
+from powerbatch.errors import RequestError
 from powerbatch.telemetry.filters import ewma_step
 
 
-class Rejected(Exception):
+class Rejected(RequestError):
     """A request the queue will not serve; maps to an HTTP answer."""
 
     def __init__(self, status: int, reason: str, message: str, retry_after_s: int | None = None):

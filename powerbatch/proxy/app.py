@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from powerbatch.admission import DEFAULT_PRIORITY, Rejected, parse_priority
+from powerbatch.errors import PowerbatchError
 from powerbatch.proxy.auth import ApiKeys, auth_middleware
 from powerbatch.proxy.errors import error_body, error_response, sse_error_event
 from powerbatch.proxy.governor import Governor
@@ -66,7 +67,7 @@ class ProxySettings:
     admin_on_main: bool = True  # False: /metrics and /status live on the admin app only
 
 
-class _UpstreamFailed(Exception):
+class _UpstreamFailed(PowerbatchError):
     """The upstream broke off or went silent while answering."""
 
 

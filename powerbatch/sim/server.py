@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from powerbatch.errors import PowerLimitError
+from powerbatch.errors import PowerLimitError, RequestError
 from powerbatch.sim.engine import (
     EngineStopped,
     QueueFull,
@@ -57,7 +57,7 @@ def _filler(start: int, end: int) -> str:
     return "".join(_WORDS[i % n] for i in range(start, end))
 
 
-class ApiError(Exception):
+class ApiError(RequestError):
     """An error answered in OpenAI's JSON shape (facts: {"error": {message, type, param, code}})."""
 
     def __init__(
