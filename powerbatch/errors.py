@@ -4,6 +4,7 @@ Classes defined elsewhere name their module in brackets; all derive from a class
 
     PowerbatchError
     ├── ConfigError                 bad settings; raised at start-up, never at run time
+    │   ├── MissingExtra            an optional dependency (e.g. the `cli` extra) is missing
     │   └── UnsupportedVllmVersion  [powerbatch_vllm.compat] vLLM outside the tested range
     ├── TelemetryError              a power reading could not be had
     │   ├── SensorUnavailable       no device / endpoint / library (e.g. no NVML driver)
@@ -35,6 +36,10 @@ class PowerbatchError(Exception):
 
 class ConfigError(PowerbatchError):
     """Settings that cannot work together, or a value out of range."""
+
+
+class MissingExtra(ConfigError):
+    """An optional dependency the command needs is not installed; the message says which extra."""
 
 
 class TelemetryError(PowerbatchError):
