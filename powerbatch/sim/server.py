@@ -1,8 +1,9 @@
 """An OpenAI-compatible HTTP front for `SimEngine`, shaped like vLLM's API server.
 
 It answers what a proxy and a benchmark touch: chat and text completions (streaming in vLLM's SSE
-format), /v1/models, /health, /metrics with vLLM and dcgm-exporter names (facts, "Reading and
-setting power" and "vLLM facts"), and /sim/* admin routes for the power limit and the step trace.
+format), /v1/models, /health, /metrics with vLLM's names (vLLM docs, "Production Metrics"; V1
+engine: vllm/v1/metrics/loggers.py) and dcgm-exporter's (NVIDIA/dcgm-exporter,
+etc/default-counters.csv), and /sim/* admin routes for the power limit and the step trace.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _filler(start: int, end: int) -> str:
 
 
 class ApiError(RequestError):
-    """An error answered in OpenAI's JSON shape (facts: {"error": {message, type, param, code}})."""
+    """An error answered in OpenAI's JSON shape, as vLLM's OpenAI-compatible server answers
+    (its ErrorResponse): {"error": {message, type, param, code}}."""
 
     def __init__(
         self,
