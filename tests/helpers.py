@@ -1,16 +1,22 @@
-"""Polling with a deadline that fails loudly: a condition that never comes true is a failure.
+"""Waiting in tests: polling that fails loudly, and an event loop with a virtual clock.
 
 A bare `while time.monotonic() < deadline:` (or `for _ in range(n): ... sleep`) loop falls
 through silently when its condition never holds, and the test then fails later, somewhere less
-clear, or not at all. These raise AssertionError naming what was awaited.
+clear, or not at all. `wait_until` raises AssertionError naming what was awaited.
+
+Code whose timing is the point (pacing, timeouts) runs on `run_virtual`'s loop instead of
+being timed against the wall clock: its time jumps to the next timer whenever nothing is ready,
+so a paced second takes no real time and the result does not depend on the machine's load.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import selectors
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -37,15 +43,52 @@ def wait_until(cond: Callable[[], T], timeout_s: float, what: What, interval_s: 
 
 
 async def async_wait_until(
-    cond: Callable[[], Awaitable[T]], timeout_s: float, what: What, interval_s: float = 0.05
+    cond: Callable[[], T | Awaitable[T]], timeout_s: float, what: What, interval_s: float = 0.05
 ) -> T:
-    """`wait_until` for a coroutine condition, sleeping without blocking the event loop."""
+    """`wait_until` inside an event loop: sleeps without blocking it; `cond` may be a plain
+    function or a coroutine function."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:
-        last = await cond()
+        got = cond()
+        last: T = await got if inspect.isawaitable(got) else got
         if last:
             return last
         if loop.time() >= deadline:
             raise AssertionError(_message(what, timeout_s, last))
         await asyncio.sleep(interval_s)
+
+
+class _JumpSelector(selectors.DefaultSelector):
+    """Never sleeps: polls, and when nothing is ready moves the loop's clock by the timeout."""
+
+    loop: VirtualTimeLoop | None = None
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        ready = super().select(0)
+        if not ready and timeout and self.loop is not None:
+            self.loop.now_s += timeout  # asyncio's timeout is the wait for the next timer
+        return ready
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop whose `time()` only moves when every task waits on a timer.
+
+    For in-memory code (no sockets that need real time to answer). Pass `loop.time` as the
+    clock of code under test, so its own arithmetic and the loop's timers share one clock.
+    """
+
+    def __init__(self) -> None:
+        selector = _JumpSelector()
+        super().__init__(selector)
+        selector.loop = self
+        self.now_s = 1000.0
+
+    def time(self) -> float:
+        return self.now_s
+
+
+def run_virtual(coro: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run` on a VirtualTimeLoop."""
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        return runner.run(coro)
