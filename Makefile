@@ -30,7 +30,7 @@ typecheck: $(STAMP)
 
 check: lint typecheck test
 
-# Issue 2's side-by-side: the same bursty load without and with the proxy.
+# The side-by-side comparison: the same bursty load without and with the proxy.
 compare: $(STAMP)
 	$(BIN)/powerbatch bench --arms none,dynamic --repeats 1 --out results/compare
 

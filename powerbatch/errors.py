@@ -1,7 +1,11 @@
 """Every exception powerbatch raises, in one tree.
 
+Classes defined elsewhere name their module in brackets; all derive from a class here.
+
     PowerbatchError
     ├── ConfigError                 bad settings; raised at start-up, never at run time
+    │   ├── MissingExtra            an optional dependency (e.g. the `cli` extra) is missing
+    │   └── UnsupportedVllmVersion  [powerbatch_vllm.compat] vLLM outside the tested range
     ├── TelemetryError              a power reading could not be had
     │   ├── SensorUnavailable       no device / endpoint / library (e.g. no NVML driver)
     │   ├── SensorReadError         the source answered, but not with a usable sample
@@ -10,7 +14,18 @@
     │   ├── LimiterUnavailable      no backend: daemon unreachable, no NVML, no such GPU
     │   ├── LimiterPermissionDenied the backend refused: bad or missing token, no CAP_SYS_ADMIN
     │   └── LimiterTimeout          the backend did not answer in time
-    └── ReplayError                 a recorded trace is malformed
+    ├── ReplayError                 a recorded trace is malformed
+    │   └── TraceExhausted          [telemetry.replay] every row served: over, not broken
+    ├── RequestError                a request answered with an HTTP error instead of service
+    │   ├── BadRequest              [proxy.parse] a body the proxy cannot serve (400; ValueError)
+    │   ├── Rejected                [admission] the queue will not serve it (429/503/504)
+    │   └── ApiError                [sim.server] the simulator's OpenAI-shaped error answer
+    ├── _UpstreamFailed             [proxy.app] the upstream broke off or went silent mid-stream
+    ├── QueueFull                   [sim.engine] the simulator's waiting queue is full
+    ├── RequestTooLarge             [sim.engine] a request could never fit the KV cache
+    ├── EngineStopped               [sim.engine] the engine stopped before a request finished
+    └── ChildFailed                 [cli.process] a child process exited or never became ready
+                                    (also a RuntimeError)
 
 The controller treats any TelemetryError as "no trustworthy reading" and fails closed.
 """
@@ -24,6 +39,10 @@ class PowerbatchError(Exception):
 
 class ConfigError(PowerbatchError):
     """Settings that cannot work together, or a value out of range."""
+
+
+class MissingExtra(ConfigError):
+    """An optional dependency the command needs is not installed; the message says which extra."""
 
 
 class TelemetryError(PowerbatchError):
@@ -60,3 +79,7 @@ class LimiterTimeout(PowerLimitError):
 
 class ReplayError(PowerbatchError):
     """A recorded trace could not be read."""
+
+
+class RequestError(PowerbatchError):
+    """A request that gets an HTTP error answer (its status and message) instead of service."""

@@ -50,12 +50,13 @@ from powerbatch.sim.gpu_model import (
 from powerbatch.telemetry.base import PowerSample
 from powerbatch.telemetry.nvml import NvmlPowerLimiter, NvmlPowerSource, nvml_available
 
-FACTS = "shared/reference/gpu-power-facts.md"
+SOURCES = "the published figures below (PUBLISHED)"
 COMPARE_PROFILES = ("h200-decode-light", "h100-llama8b")
 
-# Quoted from FACTS ("Evaluated, Llama-3.1-8B on one H100", vLLM, ML.ENERGY fit):
+# Llama-3.1-8B on one H100 under vLLM, evaluated from the GPU-to-Grid fits (arXiv 2602.05116,
+# gpu2grid/openg2g logistic_fits.csv, on ML.ENERGY leaderboard v3 data):
 # batch -> (W, ITL ms, output tok/s, J/token). Not measured here; printed next to what is.
-FACTS_H100_8B: dict[int, tuple[float, float, float, float]] = {
+PUBLISHED_H100_8B: dict[int, tuple[float, float, float, float]] = {
     8: (489, 8.6, 1253, 0.391),
     16: (509, 8.9, 1898, 0.268),
     32: (556, 9.5, 3173, 0.175),
@@ -65,17 +66,20 @@ FACTS_H100_8B: dict[int, tuple[float, float, float, float]] = {
     512: (689, 48.6, 9525, 0.072),
 }
 PUBLISHED = (
-    f"{FACTS}, 'The other regime': 'Illusion of Power Capping in LLM Decode' (arXiv 2605.11999): "
+    "'Illusion of Power Capping in LLM Decode' (arXiv 2605.11999): "
     "on H200, decode alone draws 137-300 W of a 700 W budget; a power cap never engages during "
     "decode, which is memory-bound. -> the decode rows, graph mode first.",
-    f"{FACTS}, first table: Llama-3.1-8B on one H100 under vLLM (chat, chunked prefill mixed "
+    "GPU-to-Grid (arXiv 2602.05116) fits of the ML.ENERGY leaderboard's v3 data: Llama-3.1-8B "
+    "on one H100 under vLLM (chat, chunked prefill mixed "
     "in): 489 W at batch 8 to 683 W at batch 256, J/token 0.391 -> 0.078 -> columns 'pub H100 "
     "W', 'pub tok/s', 'pub J/tok'. The h100-llama8b profile is that fit.",
-    f"{FACTS}: 'Prefill is compute-bound: it runs near the power limit' -> the prefill row.",
-    f"{FACTS}: 'Idle H200: about 75-80 W (low confidence)'; TDP H200 SXM 700 W -> the idle rows.",
-    f"{FACTS}, Noise: a 100 ms trace at batch 128 on one H100: mean ~665 W, typically +-40 W, "
-    "single instant readings up to ~850 W -> p5/p95 of the instant readings.",
-    f"{FACTS}, NVML: nvmlDeviceGetPowerUsage is a 1-second average on Hopper, field 186 is "
+    "NVIDIA Dynamo power-planner notes (ai-dynamo/dynamo, docs/design-docs/power-planner.md): "
+    "prefill is compute-bound and runs near the power limit -> the prefill row.",
+    "Vendor and benchmark pages: idle H200 about 75-80 W (low confidence); NVIDIA datasheet: "
+    "TDP H200 SXM 700 W -> the idle rows.",
+    "gpu2grid/openg2g data: a 100 ms trace at batch 128 on one H100: mean ~665 W, typically "
+    "+-40 W, single instant readings up to ~850 W -> p5/p95 of the instant readings.",
+    "NVML API reference: nvmlDeviceGetPowerUsage is a 1-second average on Hopper, field 186 is "
     "instant; the energy counter updates every 20-100 ms -> gpu_check.json.",
 )
 # What powerbatch/telemetry/nvml.py does not offer, so this script cannot record it.
@@ -759,7 +763,7 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 model_w = idle_power_w(profile)
             entry[f"{key}_w"] = _r(model_w, 1)
             entry[f"ratio_{key}"] = _r(measured / model_w, 3) if measured else None
-        pub = FACTS_H100_8B.get(row["batch"]) if row["kind"] == "decode" else None
+        pub = PUBLISHED_H100_8B.get(row["batch"]) if row["kind"] == "decode" else None
         entry["pub_h100_w"] = pub[0] if pub else None
         entry["pub_h100_tok_s"] = pub[2] if pub else None
         entry["pub_h100_j_per_tok"] = pub[3] if pub else None
@@ -838,7 +842,7 @@ def write_outputs(out: Path, report: dict[str, Any], meter: Meter | None) -> Non
         "",
         markdown(ROW_COLUMNS, report["rows"]),
         "",
-        f"## Against powerbatch.sim.gpu_model and {FACTS}",
+        "## Against powerbatch.sim.gpu_model and the published figures",
         "",
         markdown(COMPARE_COLUMNS, report["comparison"]),
         "",
@@ -988,7 +992,7 @@ def _run(args: argparse.Namespace, started: float, nvml: ModuleType | None) -> i
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "facts": FACTS,
+        "sources": SOURCES,
         "published": list(PUBLISHED),
     }
     if cuda:
@@ -1070,9 +1074,9 @@ def _run(args: argparse.Namespace, started: float, nvml: ModuleType | None) -> i
     write_outputs(args.out, report, meter)
 
     print("\n" + markdown(ROW_COLUMNS, rows), flush=True)
-    print(f"\nAgainst powerbatch.sim.gpu_model (decode_power_w, kv 0) and {FACTS}:", flush=True)
+    print(f"\nAgainst powerbatch.sim.gpu_model (decode_power_w, kv 0) and {SOURCES}:", flush=True)
     print(markdown(COMPARE_COLUMNS, report["comparison"]), flush=True)
-    print("\nCompare with (quoted from the facts file):", flush=True)
+    print("\nCompare with (published figures, with their sources):", flush=True)
     for line in PUBLISHED:
         print(f"- {line}", flush=True)
     skipped = [r["name"] for r in rows if r["status"] == "skipped"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from helpers import async_wait_until
 
 from powerbatch.admission import AdmissionQueue
 from powerbatch.control import ControlConfig, Controller, Limits
@@ -284,11 +285,13 @@ async def running_proxy(
         admin_url = f"http://127.0.0.1:{admin_runner.addresses[0][1]}"
     try:
         # Wait for the first good reading and tick, so limits are the steady ones.
-        for _ in range(200):
+        async def steady() -> bool:
             d = gov.last
-            if d is not None and d.state != "fail_closed" and queue.limits.max_requests == batch:
-                break
-            await asyncio.sleep(0.01)
+            return d is not None and d.state != "fail_closed" and queue.limits.max_requests == batch
+
+        await async_wait_until(
+            steady, 5.0, lambda: f"the first good tick at batch {batch}: {gov.status()['state']}"
+        )
         yield Proxy(url, gov, ps, power, admin_url)
     finally:
         if admin_runner is not None:

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 from conftest import run
+from helpers import run_virtual
 
 from powerbatch.admission import AdmissionQueue, Rejected, Slot, parse_priority
 from powerbatch.control import Limits
@@ -146,17 +147,25 @@ def test_cancelled_waiter_leaves_the_queue_and_takes_no_slot() -> None:
 
 def test_prefill_pace_spreads_admissions() -> None:
     async def main() -> None:
-        # 1000 prompt tokens a second, 100 per request: about 10 admissions a second.
-        q = AdmissionQueue(Limits(100, 10**9, prefill_tok_s=1_000.0), prefill_burst_s=0.1)
+        # 1000 prompt tokens a second, 100 per request: 10 admissions a second. The first is
+        # granted at once into an empty upstream (the bucket, empty, goes to -100 tokens); the
+        # next waits for 200 tokens (0.2 s), each after it for 100 (0.1 s): 0.8 s for 8.
         loop = asyncio.get_running_loop()
+        q = AdmissionQueue(
+            Limits(100, 10**9, prefill_tok_s=1_000.0), prefill_burst_s=0.1, clock=loop.time
+        )
         t0 = loop.time()
-        slots = [await q.admit("normal", 100, 100) for _ in range(8)]
-        elapsed = loop.time() - t0
-        assert 0.45 <= elapsed <= 1.5, elapsed
+        granted, slots = [], []
+        for _ in range(8):
+            slots.append(await q.admit("normal", 100, 100))
+            granted.append(round(loop.time() - t0, 2))
+        assert granted == [0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+        assert q.stats.prefill_tokens_admitted_total == 800
         for s in slots:
             s.release()
+        assert q.in_flight == 0
 
-    run(main())
+    run_virtual(main())
 
 
 def test_valley_fill_keeps_a_reserve_from_deferrable_work() -> None:

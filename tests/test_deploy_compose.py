@@ -13,8 +13,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import wait_until
+
+from powerbatch.cli.process import Child, free_port
 
 yaml = pytest.importorskip("yaml")
 
@@ -419,12 +420,6 @@ def test_every_compose_variable_is_documented() -> None:
 # ---- the sim stack as processes --------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -443,7 +438,7 @@ class _Stack:
         self.services = services_in(self.compose, "sim")
         self.log_dir = log_dir
         self.ports: dict[str, int] = {}
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.children: dict[str, Child] = {}
 
     def url(self, service: str) -> str:
         return f"http://127.0.0.1:{self.ports[service]}"
@@ -481,25 +476,31 @@ class _Stack:
         return argv, env
 
     def start(self, name: str) -> None:
-        self.ports.setdefault(name, _free_port())
+        self.ports.setdefault(name, free_port())
         argv, env = self.argv_env(name)
-        log = (self.log_dir / f"{name}.log").open("wb")
-        self.procs[name] = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.log_dir
-        )
+        child = Child(name, argv, self.log_dir, command=(), env=env, cwd=self.log_dir)
+        self.children[name] = child
+        child.launch()
 
     def log(self, name: str) -> str:
-        return (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
+        return self.children[name].log_tail()
 
     def wait_for(self, name: str, path: str, deadline: float) -> bytes:
-        while time.monotonic() < deadline:
-            proc = self.procs[name]
-            assert proc.poll() is None, f"{name} exited {proc.returncode}:\n{self.log(name)}"
+        """GET `path` until it answers 200 (the child must stay up); its body."""
+        child = self.children[name]
+
+        def answered() -> tuple[bytes] | None:
+            assert child.running(), f"{name} exited {child.returncode}:\n{self.log(name)}"
             status, body = _get(self.url(name) + path)
-            if status == 200:
-                return body
-            time.sleep(0.1)
-        raise AssertionError(f"{name} {path} not 200 in time:\n{self.log(name)}")
+            return (body,) if status == 200 else None
+
+        (body,) = wait_until(
+            answered,
+            deadline - time.monotonic(),
+            lambda: f"{name} {path} to answer 200:\n{self.log(name)}",
+            interval_s=0.1,
+        )
+        return body
 
     def healthcheck(self, name: str) -> int:
         """Run the image's HEALTHCHECK command as Docker would inside the container."""
@@ -508,15 +509,8 @@ class _Stack:
         return subprocess.run([sys.executable, *hc[1:]], env=env, timeout=10).returncode
 
     def stop(self) -> None:
-        for proc in reversed(self.procs.values()):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=8)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+        for child in reversed(self.children.values()):  # dependents first, as compose stops them
+            child.terminate(timeout_s=8)
 
 
 @pytest.fixture
@@ -535,7 +529,7 @@ def test_sim_stack_starts_and_answers_as_compose_runs_it(sim_stack: _Stack) -> N
     # depends_on: powerbatch waits for a healthy sim.
     order = ["sim", "powerbatch"]
     assert "sim" in stack.services["powerbatch"]["depends_on"]
-    stack.ports = {name: _free_port() for name in order}
+    stack.ports = {name: free_port() for name in order}
     stack.start("sim")
     stack.wait_for("sim", "/health", deadline)
     assert stack.healthcheck("sim") == 0
@@ -559,14 +553,18 @@ def test_sim_stack_starts_and_answers_as_compose_runs_it(sim_stack: _Stack) -> N
     assert answer["choices"][0]["message"]["content"]
 
     # The proxy reads power where compose points it (the simulator's DCGM series).
-    while True:
+    def power_reading() -> tuple[str, float] | None:
         metrics = stack.wait_for("powerbatch", "/metrics", deadline).decode()
         m = re.search(r"^powerbatch_power_watts (\S+)$", metrics, re.M)
-        if m and m.group(1).lower() != "nan":
-            break
-        assert time.monotonic() < deadline, f"no power reading:\n{stack.log('powerbatch')}"
-        time.sleep(0.2)
-    assert float(m.group(1)) > 0
+        return (metrics, float(m.group(1))) if m and m.group(1).lower() != "nan" else None
+
+    metrics, watts = wait_until(
+        power_reading,
+        deadline - time.monotonic(),
+        lambda: f"a power reading:\n{stack.log('powerbatch')}",
+        interval_s=0.2,
+    )
+    assert watts > 0
     assert re.search(r'powerbatch_requests_total\{[^}]*outcome="ok"[^}]*\} 1\.0', metrics)
     assert "powerbatch_power_ceiling_watts" in metrics
     assert "_created" not in metrics, "the image disables prometheus_client's _created series"

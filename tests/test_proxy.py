@@ -12,6 +12,7 @@ import aiohttp
 import openai
 from aiohttp import web
 from conftest import FuncPowerSource, run, serve
+from helpers import async_wait_until
 
 from powerbatch.cli.serve import build
 from powerbatch.cli.settings import SERVE, ServeSettings
@@ -155,12 +156,10 @@ def test_client_disconnect_frees_the_slot_and_the_upstream_request() -> None:
             await resp.content.readuntil(b"\n\n")  # the stream is under way
             assert gov.queue.in_flight == 1 and sim.engine.num_running == 1
             resp.close()  # the client goes away mid-stream
-        for _ in range(100):
-            if gov.queue.in_flight == 0 and sim.engine.num_running == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert gov.queue.in_flight == 0, "slot not released"
-        assert sim.engine.num_running == 0, "upstream request not cancelled"
+        await async_wait_until(lambda: gov.queue.in_flight == 0, 2.0, "the slot to be released")
+        await async_wait_until(
+            lambda: sim.engine.num_running == 0, 2.0, "the upstream request cancelled"
+        )
         cancelled = gov.metrics.registry.get_sample_value(
             "powerbatch_requests_total", {"priority": "normal", "outcome": "cancelled"}
         )

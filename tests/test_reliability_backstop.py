@@ -16,6 +16,7 @@ import pynvml
 import pytest
 from conftest import run
 from faults import upstream
+from helpers import async_wait_until
 from test_telemetry_nvml import FakeGpu, fake_nvml
 
 from powerbatch.cli.serve import serve
@@ -46,15 +47,17 @@ async def serve_until_up(o: ServeSettings, check: Any) -> None:
     task = asyncio.create_task(serve(o, stop=stop))
     url = f"http://127.0.0.1:{o.proxy.port}/health"
     async with aiohttp.ClientSession() as s:
-        for _ in range(200):
+
+        async def up() -> bool:
             if task.done():
                 await task  # raises what start-up raised
             try:
                 async with s.get(url) as r:
-                    if r.status == 200:
-                        break
+                    return r.status == 200
             except aiohttp.ClientError:
-                await asyncio.sleep(0.02)
+                return False
+
+        await async_wait_until(up, 4.0, f"serve to answer {url}", interval_s=0.02)
     check()
     stop.set()
     async with asyncio.timeout(10):

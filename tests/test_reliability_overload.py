@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 from conftest import run
 from faults import Behaviour, FaultyUpstream, Proxy, chat_body, running_proxy, upstream
+from helpers import async_wait_until
 
 from powerbatch.admission import AdmissionQueue
 from powerbatch.control import Limits
@@ -128,10 +129,7 @@ async def check_books(p: Proxy, up: FaultyUpstream, out: Run) -> Counter[int]:
     assert max(upstream_ids.values(), default=1) == 1  # nothing forwarded twice
     assert set(upstream_ids) == {r.rid for r in ok}  # and nothing refused was forwarded
     # The proxy's own books agree: its /status and counters, after the dust settles.
-    for _ in range(100):
-        if p.gov.queue.in_flight == 0:
-            break
-        await asyncio.sleep(0.02)
+    await async_wait_until(lambda: p.gov.queue.in_flight == 0, 2.0, "no slot in flight")
     async with aiohttp.ClientSession() as s, s.get(p.url + "/status") as resp:
         st = await resp.json()
     assert st["queue"]["in_flight"] == 0 and sum(st["queue"]["queued"].values()) == 0

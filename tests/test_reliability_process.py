@@ -16,8 +16,10 @@ from typing import Any
 
 import aiohttp
 from conftest import run
+from helpers import async_wait_until
 
-from powerbatch.cli.stack import Child, Stack
+from powerbatch.cli.process import Child
+from powerbatch.cli.stack import Stack
 
 CHAT = "/v1/chat/completions"
 GRACE_S = 15.0
@@ -52,20 +54,22 @@ def test_sigterm_drains_in_flight_rejects_queued_and_restarts_cleanly(tmp_path: 
 
     async def go() -> None:
         async with Stack(tmp_path, proxy_args=proxy_args) as stack, aiohttp.ClientSession() as s:
-            assert stack.proxy is not None and stack.proxy.proc is not None
+            assert stack.proxy is not None and stack.proxy.running()
             url = stack.proxy_url
             inflight = [asyncio.create_task(call(s, url, 300, stream)) for stream in (True, False)]
-            for _ in range(100):
-                if (await status(s, url))["queue"]["in_flight"] == 2:
-                    break
-                await asyncio.sleep(0.05)
+
+            async def in_flight() -> bool:
+                return bool((await status(s, url))["queue"]["in_flight"] == 2)
+
+            await async_wait_until(in_flight, 5.0, "both long requests in flight")
             queued = [asyncio.create_task(call(s, url, 10, i % 2 == 0)) for i in range(3)]
-            for _ in range(100):
-                if sum((await status(s, url))["queue"]["queued"].values()) == 3:
-                    break
-                await asyncio.sleep(0.05)
+
+            async def queued_3() -> bool:
+                return sum((await status(s, url))["queue"]["queued"].values()) == 3
+
+            await async_wait_until(queued_3, 5.0, "three requests queued")
             t_term = time.monotonic()
-            stack.proxy.proc.send_signal(signal.SIGTERM)
+            stack.proxy.send_signal(signal.SIGTERM)
             for task in queued:  # answered at once, not after the in-flight work
                 st, raw = await task
                 assert st == 503 and json.loads(raw)["error"]["code"] == "draining"
@@ -79,8 +83,7 @@ def test_sigterm_drains_in_flight_rejects_queued_and_restarts_cleanly(tmp_path: 
             assert st1 == 200 and streamed.rstrip().endswith(b"data: [DONE]")
             assert b'"completion_tokens":300' in streamed.replace(b" ", b"")
             assert st2 == 200 and json.loads(whole)["usage"]["completion_tokens"] == 300
-            async with asyncio.timeout(GRACE_S):
-                code = await stack.proxy.proc.wait()
+            code = await stack.proxy.wait(GRACE_S)
             assert code == 0
             assert time.monotonic() - t_term < GRACE_S
             try:
@@ -102,6 +105,6 @@ def test_sigterm_drains_in_flight_rejects_queued_and_restarts_cleanly(tmp_path: 
                 assert fresh["queue"]["in_flight"] == 0 and not fresh["queue"]["draining"]
             finally:
                 await again.stop()
-            assert again.proc is not None and again.proc.returncode == 0
+            assert again.returncode == 0
 
     run(go())

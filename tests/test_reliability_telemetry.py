@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 from conftest import run
 from faults import Behaviour, Proxy, chat_body, running_proxy, upstream
+from helpers import async_wait_until
 
 BATCH, SAFE = 8, 2
 
@@ -50,11 +51,13 @@ FAULTS: dict[str, Callable[[], dict[str, Any]]] = {
 
 async def _wait_state(p: Proxy, want: Callable[[dict[str, Any]], bool], limit_s: float) -> float:
     t0 = time.monotonic()
-    while time.monotonic() - t0 < limit_s:
-        if want(p.gov.status()):
-            return time.monotonic() - t0
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"state not reached in {limit_s} s: {p.gov.status()['state']}")
+    await async_wait_until(
+        lambda: want(p.gov.status()),
+        limit_s,
+        lambda: f"the state wanted (now {p.gov.status()['state']})",
+        interval_s=0.02,
+    )
+    return time.monotonic() - t0
 
 
 async def _metric(s: aiohttp.ClientSession, p: Proxy, name: str) -> float:

@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 from conftest import run
 from faults import Behaviour, Proxy, chat_body, running_proxy, sse_events, upstream
+from helpers import async_wait_until
 
 CHAT = "/v1/chat/completions"
 
@@ -42,11 +43,12 @@ async def post(
 
 async def settled(p: Proxy, limit_s: float = 2.0) -> None:
     """The slot accounting is back to zero (allowing a moment for handlers to unwind)."""
-    for _ in range(int(limit_s / 0.02)):
-        if p.gov.queue.in_flight == 0 and p.gov.queue.queued == 0:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"slots not freed: {p.gov.status()['queue']}")
+    await async_wait_until(
+        lambda: p.gov.queue.in_flight == 0 and p.gov.queue.queued == 0,
+        limit_s,
+        lambda: f"slots freed: {p.gov.status()['queue']}",
+        interval_s=0.02,
+    )
 
 
 def outcome(p: Proxy, name: str, priority: str = "normal") -> float:

@@ -304,7 +304,8 @@ def test_average_power_tracks_busy_load() -> None:
         return avg, sorted(instant)[100]
 
     avg, median_instant = run(main())
-    # Batch 64 decode with little KV: ~620 W (facts table), a 1-s window well after start-up.
+    # Batch 64 decode with little KV: ~620 W (the GPU-to-Grid fit, arXiv 2602.05116), a 1-s
+    # window well after start-up.
     assert avg == pytest.approx(620.0, rel=0.05)
     assert median_instant == pytest.approx(620.0, rel=0.05)
 

@@ -1,4 +1,6 @@
-"""The GPU model against the published figures in shared/reference/gpu-power-facts.md."""
+"""The GPU model against published figures: the GPU-to-Grid fits (arXiv 2602.05116) of the
+ML.ENERGY leaderboard's data, "Illusion of Power Capping in LLM Decode" (arXiv 2605.11999) and
+NVIDIA Dynamo's power-planner notes."""
 
 from __future__ import annotations
 
@@ -18,26 +20,26 @@ from powerbatch.sim.gpu_model import (
 
 H100_8B = PROFILES["h100-llama8b"]
 
-# Facts, "Evaluated, Llama-3.1-8B on one H100": batch -> (W, ITL ms, tok/s).
-FACTS_8B = {8: (489.0, 8.6, 1253.0), 64: (620.0, 11.3, 5130.0), 256: (683.0, 28.0, 8715.0)}
+# The GPU-to-Grid fits evaluated for Llama-3.1-8B on one H100: batch -> (W, ITL ms, tok/s).
+PUBLISHED_8B = {8: (489.0, 8.6, 1253.0), 64: (620.0, 11.3, 5130.0), 256: (683.0, 28.0, 8715.0)}
 
 
-@pytest.mark.parametrize("batch", sorted(FACTS_8B))
-def test_h100_8b_decode_power_and_itl_match_facts(batch: int) -> None:
-    power_w, itl_ms, _ = FACTS_8B[batch]
+@pytest.mark.parametrize("batch", sorted(PUBLISHED_8B))
+def test_h100_8b_decode_power_and_itl_match_published(batch: int) -> None:
+    power_w, itl_ms, _ = PUBLISHED_8B[batch]
     s = steady_state(H100_8B, batch)
     assert s.power_w == pytest.approx(power_w, rel=0.02)
     assert s.step_s * 1000 == pytest.approx(itl_ms, rel=0.03)
 
 
-def test_h100_8b_throughput_follows_facts_order() -> None:
+def test_h100_8b_throughput_follows_published_order() -> None:
     """batch/ITL is not the table's tok/s (the table mixes in chunked prefill), but it rises with
     batch like the table and lands within a factor of 1.5 of it."""
-    tok_s = [steady_state(H100_8B, b).output_tok_s for b in sorted(FACTS_8B)]
+    tok_s = [steady_state(H100_8B, b).output_tok_s for b in sorted(PUBLISHED_8B)]
     assert tok_s == sorted(tok_s)
-    for b, model in zip(sorted(FACTS_8B), tok_s, strict=True):
-        facts = FACTS_8B[b][2]
-        assert facts / 1.5 < model < facts * 1.5, (b, model, facts)
+    for b, model in zip(sorted(PUBLISHED_8B), tok_s, strict=True):
+        published = PUBLISHED_8B[b][2]
+        assert published / 1.5 < model < published * 1.5, (b, model, published)
 
 
 def test_70b_profile_sums_four_gpus() -> None:
@@ -87,7 +89,8 @@ def test_decode_light_stays_in_published_range_and_ignores_cap() -> None:
         for kv in (0, 200_000, 400_000):
             _, w = step_time_s(p, batch, 0, kv)
             assert 137.0 <= w <= 300.0
-    # "a power cap never engages during decode" at a 70%-of-TDP cap (facts, Dynamo default).
+    # "a power cap never engages during decode" at a 70%-of-TDP cap (the safe default in NVIDIA
+    # Dynamo's power-planner notes).
     assert step_time_s(p, 512, 0, power_limit_w=490.0) == step_time_s(p, 512, 0)
 
 

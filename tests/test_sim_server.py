@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import aiohttp
 import openai
 import pytest
+from helpers import async_wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from powerbatch.sim import SimEngine
@@ -278,11 +279,8 @@ def test_client_disconnect_mid_stream_frees_slot() -> None:
                 await r.content.readline()
             assert engine.num_running == 1 and engine.kv_tokens > 0
             r.close()  # hang up
-        for _ in range(200):
-            if engine.num_running == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert engine.num_running == 0 and engine.kv_tokens == 0
+        await async_wait_until(lambda: engine.num_running == 0, 2.0, "the hung-up request aborted")
+        assert engine.kv_tokens == 0
         assert engine.requests_aborted == 1
 
     with_server(body)
@@ -295,16 +293,12 @@ def test_client_disconnect_non_stream_frees_slot() -> None:
             task = asyncio.create_task(
                 s.post(server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 5000})
             )
-            for _ in range(200):
-                if engine.num_running:
-                    break
-                await asyncio.sleep(0.01)
+            await async_wait_until(lambda: engine.num_running, 2.0, "the request running")
             task.cancel()
-        for _ in range(200):
-            if engine.num_running == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert engine.num_running == 0 and engine.kv_tokens == 0
+        await async_wait_until(
+            lambda: engine.num_running == 0, 2.0, "the cancelled request aborted"
+        )
+        assert engine.kv_tokens == 0
 
     with_server(body)
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from powerbatch.errors import ConfigError
-from powerbatch.telemetry.filters import Ewma, HampelFilter
+from powerbatch.telemetry.filters import Ewma, HampelFilter, ewma_step, half_life_alpha
 
 power = st.floats(min_value=0.0, max_value=5000.0, allow_nan=False)
 
@@ -107,3 +107,11 @@ def test_ewma_half_life_is_time_based() -> None:
     assert Ewma(0.5).value is None
     with pytest.raises(ConfigError):
         Ewma(0.0)
+
+
+def test_ewma_step_and_half_life_alpha() -> None:
+    assert ewma_step(None, 5.0, 0.2) == 5.0
+    assert ewma_step(10.0, 20.0, 0.2) == pytest.approx(12.0)
+    assert ewma_step(10.0, 20.0, 1.5) == 20.0  # never past the sample
+    assert half_life_alpha(2.0, 2.0) == pytest.approx(0.5)
+    assert half_life_alpha(0.0, 2.0) == 0.0

@@ -176,35 +176,29 @@ def test_injected_session_is_not_closed() -> None:
     assert serve(DCGM, run) is False
 
 
-def test_upstream_scraper_reads_vllm_metrics() -> None:
-    async def run(url: str) -> Any:
-        scraper = UpstreamMetricsScraper(url)
-        try:
-            return await scraper.scrape()
-        finally:
-            await scraper.close()
+async def scrape_once(url: str) -> Any:
+    scraper = UpstreamMetricsScraper(url)
+    try:
+        return await scraper.scrape()
+    finally:
+        await scraper.close()
 
-    signals = serve(VLLM, run)
+
+def test_upstream_scraper_reads_vllm_metrics() -> None:
+    signals = serve(VLLM, scrape_once)
     assert signals.requests_running == 21.0
     assert signals.requests_waiting == 3.0
     assert signals.kv_cache_usage == pytest.approx(0.375)  # a fraction: averaged over engines
     # Metrics the server does not export come back as None, not as zero.
     only_running = "\n".join(VLLM.splitlines()[:4]) + "\n"
-    partial = serve(only_running, run)
+    partial = serve(only_running, scrape_once)
     assert partial.requests_running == 21.0
     assert partial.requests_waiting is None
     assert partial.kv_cache_usage is None
 
 
 def test_upstream_scraper_errors() -> None:
-    async def run(url: str) -> Any:
-        scraper = UpstreamMetricsScraper(url)
-        try:
-            return await scraper.scrape()
-        finally:
-            await scraper.close()
-
     with pytest.raises(SensorReadError):
-        serve(VLLM, run, status=503)
+        serve(VLLM, scrape_once, status=503)
     with pytest.raises(SensorReadError, match="not finite"):
-        serve(VLLM.replace("} 0.25", "} NaN"), run)
+        serve(VLLM.replace("} 0.25", "} NaN"), scrape_once)

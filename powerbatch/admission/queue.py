@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 
 from powerbatch.admission.priority import DEFERRABLE, PRIORITIES, rank
 from powerbatch.control import Limits
+from powerbatch.errors import RequestError
+from powerbatch.telemetry.filters import ewma_step
 
 REJECTION_REASONS = ("queue_full", "queue_timeout", "shed", "draining")
 """Every `Rejected.reason`: the proxy creates a metric series for each at start-up."""
 
 
-class Rejected(Exception):
+class Rejected(RequestError):
     """A request the queue will not serve; maps to an HTTP answer."""
 
     def __init__(self, status: int, reason: str, message: str, retry_after_s: int | None = None):
@@ -233,8 +235,7 @@ class AdmissionQueue:
         if waited_since_s is not None:
             # Only grants to waiters measure the service rate; an immediate grant measures demand.
             dt = min(max(now - max(self._last_grant_t, waited_since_s), 0.0), 60.0)
-            prev = self._grant_interval_s
-            self._grant_interval_s = dt if prev is None else 0.8 * prev + 0.2 * dt
+            self._grant_interval_s = ewma_step(self._grant_interval_s, dt, 0.2)
         self._last_grant_t = now
         return Slot(self, priority, kv_tokens, now)
 

@@ -14,15 +14,17 @@ import statistics
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-from rich.console import Console
-from rich.table import Table
 
+from powerbatch.cli.extras import require_cli_extra
 from powerbatch.cli.report import RunData, plot_runs, plot_summary, summarize
 from powerbatch.cli.stack import Stack
 from powerbatch.load import PROFILES, LoadProfile, run_load
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 ARMS = ("none", "hwcap", "static", "dynamic")
 DEFAULT_CEILING_W = 600.0
@@ -164,6 +166,8 @@ def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(results: dict[str, dict[str, Any]], console: Console, title: str) -> None:
+    from rich.table import Table
+
     t = Table(title=title)
     t.add_column("figure")
     for arm in results:
@@ -221,6 +225,8 @@ async def search_static_batch(
 
 
 async def _bench(a: argparse.Namespace) -> int:
+    from rich.console import Console
+
     console = Console()
     arms = [x.strip() for x in a.arms.split(",") if x.strip()]
     unknown = set(arms) - set(ARMS)
@@ -283,4 +289,5 @@ async def _bench(a: argparse.Namespace) -> int:
 
 
 def main(a: argparse.Namespace) -> int:
+    require_cli_extra("powerbatch bench")  # before the runs: the tables and plots need it
     return asyncio.run(_bench(a))

@@ -9,17 +9,18 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-from rich.console import Console
-from rich.live import Live
-from rich.table import Table
 
 from powerbatch.cli.bench import add_common, fetch_json, run_arm
+from powerbatch.cli.extras import require_cli_extra
 from powerbatch.cli.report import plot_runs, summarize
 from powerbatch.cli.stack import Stack
 from powerbatch.load import PROFILES
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -45,6 +46,8 @@ def _view(status: dict[str, Any], sim: dict[str, Any], elapsed_s: float, total_s
     lim = status["limits"]["enforced"] or {}
     lat = status["latency"]
     q = status["queue"]
+    from rich.table import Table
+
     t = Table(title=f"powerbatch demo — {elapsed_s:4.0f} / {total_s:.0f} s", show_header=False)
     t.add_column(width=26)
     t.add_column()
@@ -74,6 +77,10 @@ def _view(status: dict[str, Any], sim: dict[str, Any], elapsed_s: float, total_s
 
 
 async def _demo(a: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+    from rich.table import Table
+
     console = Console()
     live_on = sys.stdout.isatty() if a.live is None else a.live
     profile = PROFILES[a.profile]()
@@ -140,4 +147,5 @@ async def _demo(a: argparse.Namespace) -> int:
 
 
 def main(a: argparse.Namespace) -> int:
+    require_cli_extra("powerbatch demo")  # before anything starts: the view and the plot need it
     return asyncio.run(_demo(a))

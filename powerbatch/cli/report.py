@@ -11,6 +11,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from powerbatch.admission import PRIORITIES
+from powerbatch.cli.extras import require_cli_extra
 from powerbatch.load import LoadProfile, RequestResult
 
 ABOVE_TOLERANCE_W = 0.01
@@ -108,6 +109,7 @@ def summarize(run: RunData, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, A
 
 def plot_runs(runs: list[RunData], path: Path, title: str) -> Path:
     """Power against the ceiling per run, and the batch limit where a proxy was in front."""
+    require_cli_extra("plotting", ("matplotlib",))
     import matplotlib
 
     matplotlib.use("Agg")
@@ -165,6 +167,7 @@ def plot_summary(
     runs: dict[str, list[dict[str, Any]]], ceiling_w: float, path: Path, title: str
 ) -> Path:
     """Power distribution, p95 TTFT per class, and J per token, per arm over all repeats."""
+    require_cli_extra("plotting", ("matplotlib",))
     import matplotlib
 
     matplotlib.use("Agg")

@@ -6,73 +6,12 @@ and the load, every relay would delay the GPU's next step.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
-import signal
-import socket
-import sys
 from pathlib import Path
 from types import TracebackType
 
-import aiohttp
+from powerbatch.cli.process import Child, free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Child:
-    """A `python -m powerbatch ...` child with its output in a log file; stopped with SIGTERM."""
-
-    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
-        self.name = name
-        self.args = args
-        self.log_path = log_dir / f"{name}.log"
-        self.proc: asyncio.subprocess.Process | None = None
-
-    async def start(self, ready_url: str, timeout_s: float = 30.0) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")  # noqa: SIM115, ASYNC230 - a local file, handed to the child
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "powerbatch",
-            *self.args,
-            stdout=log,
-            stderr=asyncio.subprocess.STDOUT,
-            env=env,
-        )
-        log.close()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        async with aiohttp.ClientSession() as session:
-            while loop.time() < deadline:
-                if self.proc.returncode is not None:
-                    break
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    async with asyncio.timeout(1.0), session.get(ready_url) as resp:
-                        if resp.status == 200:
-                            return
-                await asyncio.sleep(0.1)
-        tail = self.log_path.read_text(errors="replace")[-2000:]
-        await self.stop()
-        raise RuntimeError(f"{self.name} did not become ready at {ready_url}:\n{tail}")
-
-    async def stop(self, timeout_s: float = 15.0) -> None:
-        proc = self.proc
-        if proc is None or proc.returncode is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            async with asyncio.timeout(timeout_s):
-                await proc.wait()
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+__all__ = ["Child", "Stack", "free_port"]  # Child and free_port: re-exported for older imports
 
 
 class Stack:

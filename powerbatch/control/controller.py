@@ -1,8 +1,8 @@
 """The decision each tick: how many requests and KV tokens may be in flight, and how fast prefill.
 
-The seeds' framing: maximise work done subject to a power ceiling, a latency SLO and KV memory,
-pricing each constraint with a Lagrange multiplier that rises while it is violated and decays while
-it is slack. Concretely:
+Power as a trajectory optimised under constraints: maximise work done subject to a power ceiling,
+a latency SLO and KV memory, pricing each constraint with a Lagrange multiplier (dual ascent) that
+rises while it is violated and decays while it is slack. Concretely:
 
 * power: the meter says what the batch in flight draws now; the learned model says what a
   step would change. The batch grows one bounded step while measured power, plus the model's
@@ -14,6 +14,13 @@ it is slack. Concretely:
 * latency: λ_latency rises while p95 time per output token is over its SLO and shrinks the batch
   multiplicatively; p95 TTFT over its SLO only speeds growth, because the ceiling always wins.
 * KV: λ_kv rises while the upstream's KV-cache usage is over target and shrinks the KV cap.
+* device limit (a second actuator, where a limiter is configured): the decision asks for a limit
+  of `ceiling × (1 − limit_margin_frac)`, which the driver holds within milliseconds. While a
+  limit at or under the ceiling is in force, the meter reads the cap rather than the batch's
+  demand: such censored readings are not learned, the batch is judged by the model's uncapped
+  demand against `limit × (1 + throttle_allowance)`, and λ_power rises only on a breach of the
+  ceiling itself. A limiter that fails (degraded) hands the ceiling back to admission alone.
+* the ceiling itself may move each tick (`Observation.ceiling_w`: a fleet budget's share).
 
 Variance is kept low by bounded steps up, a dead band (hysteresis) between growing and shrinking,
 a batch that leads recent demand by a bounded factor (so a burst ramps in instead of landing at

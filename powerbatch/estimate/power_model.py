@@ -20,7 +20,8 @@ from scipy import special
 
 from powerbatch.estimate.features import REGRESSORS, Features, design_matrix, design_row
 
-# Facts file: a safe default cap is about 70% of TDP; idle H200 draws about 78 W of 700 W.
+# A safe default cap is about 70% of TDP (NVIDIA Dynamo's power-planner notes); an idle H200
+# draws about 75-80 W of its 700 W (vendor and benchmark pages).
 _CEILING_OVER_TDP = 0.7
 _IDLE_OVER_TDP = 0.11
 # Eigenvalues of X'WX below this share of the largest count as zero (a rank-deficient design).
@@ -58,7 +59,8 @@ class PowerPrior:
         out: list[tuple[Features, float]] = []
         for batch in sorted({0, 1, 4, 16, 64, self.max_batch}):
             # Busy power rises a few percent of the limit per doubling of the batch: the
-            # facts file's curves give 3% (8B, H100), 3% (decode on H200) and 5% (70B, 4 GPUs).
+            # ML.ENERGY leaderboard fits (GPU-to-Grid, arXiv 2602.05116) give 3% (8B, H100) and
+            # 5% (70B, 4 GPUs); decode on H200 about 3% (arXiv 2605.11999).
             busy_w = self.max_w * (0.5 + self.slope_per_doubling * math.log2(1 + batch))
             base_w = self.idle_w if batch == 0 else busy_w
             for prefill in (0.0, self.heavy_prefill_tok_s):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from powerbatch.load.profile import PlannedRequest
+from powerbatch.sse import usage_completion_tokens
 
 _FIRST_TOKEN = re.compile(rb'"(?:content|text)":"[^"]')
 
@@ -99,11 +100,7 @@ async def send_one(
             error = None
             if b'"error"' in tail:
                 error = "error event in stream"
-            for event in reversed(tail.split(b"\n\n")):
-                if event.startswith(b"data: {") and b'"usage"' in event:
-                    usage = json.loads(event[6:]).get("usage") or {}
-                    tokens = int(usage.get("completion_tokens") or 0)
-                    break
+            tokens = usage_completion_tokens(tail) or 0
             return RequestResult(
                 t0 - t_run0,
                 req.priority,

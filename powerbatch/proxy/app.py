@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from powerbatch.admission import DEFAULT_PRIORITY, Rejected, parse_priority
+from powerbatch.errors import PowerbatchError
 from powerbatch.proxy.auth import ApiKeys, auth_middleware
 from powerbatch.proxy.errors import error_body, error_response, sse_error_event
 from powerbatch.proxy.governor import Governor
@@ -30,6 +31,7 @@ from powerbatch.proxy.parse import (
     parse_request,
 )
 from powerbatch.proxy.settings import ProxySettings
+from powerbatch.sse import usage_completion_tokens
 
 log = logging.getLogger("powerbatch.proxy")
 
@@ -48,9 +50,6 @@ _HOP_BY_HOP = frozenset(
         "Content-Length",
     )
 )
-GOVERNOR: web.AppKey[Governor] = web.AppKey("governor", Governor)
-SETTINGS: web.AppKey[ProxySettings] = web.AppKey("settings", object)  # type: ignore[arg-type]
-SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("session", aiohttp.ClientSession)
 
 
 ADMIN_PATHS = ("/metrics", "/status", "/status/history")
@@ -75,7 +74,7 @@ _EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 _MAX_PARTIAL_EVENT = 64 * 1024
 
 
-class _UpstreamFailed(Exception):
+class _UpstreamFailed(PowerbatchError):
     """The upstream broke off or went silent while answering."""
 
 
@@ -96,19 +95,6 @@ def _plain_error(status: int, message: str, code: str, type_: str) -> web.Respon
     resp = web.json_response(body, status=status)
     resp.force_close()  # the rest of the request may never come: don't wait for it
     return resp
-
-
-def _usage_completion_tokens(tail: bytes) -> int | None:
-    """completion_tokens from the usage event at the end of a stream, if the client asked for it."""
-    for event in reversed(tail.split(b"\n\n")):
-        if event.startswith(b"data: {") and b'"usage"' in event:
-            try:
-                usage = json.loads(event[6:]).get("usage") or {}
-                tokens = usage.get("completion_tokens")
-                return int(tokens) if tokens is not None else None
-            except (ValueError, AttributeError, TypeError):
-                return None
-    return None
 
 
 def _upstream_outcome(status: int) -> str:
@@ -307,7 +293,7 @@ class ProxyHandlers:
             tokens = None
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 tokens = int(json.loads(body)["usage"]["completion_tokens"])
-            self._record(priority, t0, first_s=now, last_s=now, tokens=tokens, ok=True)
+            self._record(priority, t0, first_s=now, last_s=now, tokens=tokens)
         else:
             m.requests.labels(priority, _upstream_outcome(up.status)).inc()
             if up.status >= 500 and not _is_json_error(body):
@@ -365,15 +351,13 @@ class ProxyHandlers:
             async with asyncio.timeout(write_s):
                 if pending:
                     await resp.write(pending)
-                tokens = _usage_completion_tokens(tail)
+                tokens = usage_completion_tokens(tail)
                 if tokens is not None:
                     self.gov.output_tokens_total += tokens - events
                 else:
                     tokens = max(events - 2, 0)  # the role event and [DONE] carry no token
                 now = time.monotonic()
-                self._record(
-                    priority, t0, first_s=first_s or now, last_s=now, tokens=tokens, ok=True
-                )
+                self._record(priority, t0, first_s=first_s or now, last_s=now, tokens=tokens)
                 await resp.write_eof()
         except _UpstreamFailed as exc:
             log.warning("upstream stream failed: %s", exc)
@@ -406,8 +390,8 @@ class ProxyHandlers:
         first_s: float,
         last_s: float,
         tokens: int | None,
-        ok: bool,
     ) -> None:
+        """A request answered whole: its outcome `ok`, latencies and tokens."""
         m = self.gov.metrics
         ttft_s = first_s - t0
         tpot_s = (
@@ -415,7 +399,7 @@ class ProxyHandlers:
             if tokens and tokens > 1 and last_s > first_s
             else None
         )
-        m.requests.labels(priority, "ok" if ok else "upstream_error").inc()
+        m.requests.labels(priority, "ok").inc()
         m.ttft_s.labels(priority).observe(ttft_s)
         m.e2e_s.labels(priority).observe(last_s - t0)
         if tpot_s is not None:
@@ -528,7 +512,6 @@ def create_app(
     middlewares = [auth_middleware(keys)] if keys is not None else []
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     h = ProxyHandlers(gov, settings, keys)
-    app[GOVERNOR] = gov
 
     async def lifecycle(app: web.Application) -> Any:
         own = session is None

@@ -11,10 +11,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from powerbatch.errors import RequestError
+
 CHARS_PER_TOKEN = 4
 
 
-class BadRequest(ValueError):
+class BadRequest(RequestError, ValueError):
+    """A request body the proxy cannot serve (400); also a ValueError, as it always was."""
+
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param

@@ -243,7 +243,9 @@ class SimEngine:
 
     @power_limit_w.setter
     def power_limit_w(self, value: float) -> None:
-        """The set's total, split evenly over its GPUs; out-of-range values are refused."""
+        """The set's total, split evenly over its GPUs; out-of-range values are refused, like
+        nvmlDeviceSetPowerManagementLimit (NVML API reference: INVALID_ARGUMENT outside
+        nvmlDeviceGetPowerManagementLimitConstraints)."""
         if not (math.isfinite(value) and 0.0 < value <= self.profile.tdp_w):
             raise PowerLimitError(
                 f"power limit must be in (0, {self.profile.tdp_w:g}] W, got {value!r}"
@@ -371,7 +373,7 @@ class SimEngine:
 
     def average_power_w(self, window_s: float = 1.0) -> float:
         """Mean true power over the last `window_s`: what nvmlDeviceGetPowerUsage gives on Hopper
-        (facts: a 1-second average)."""
+        (NVML API reference: a 1-second average on Ampere, except GA100, and newer)."""
         now = time.monotonic()
         start = max(now - window_s, self._t_start)
         if now <= start:

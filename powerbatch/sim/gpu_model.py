@@ -1,9 +1,17 @@
 """Power and step-time model of a GPU set serving an LLM; pure functions, no I/O.
 
-Every number here is calibrated to shared/reference/gpu-power-facts.md ("the facts").
-Where the facts are silent, the docstring that makes a choice names it a modelling choice.
+Every number here is calibrated to published figures, cited where used:
 
-Curves use the logistic form of the ML.ENERGY / GPU-to-Grid fits (facts, first table):
+* [G2G] the GPU-to-Grid paper (arXiv 2602.05116) and its repository gpu2grid/openg2g: the fits in
+  logistic_fits.csv, made from the ML.ENERGY leaderboard's v3 data (vLLM 0.11.1, chat workload,
+  steady state, H100 SXM), and a 100 ms power trace of Llama-3.1-8B at batch 128;
+* [IPC] "Illusion of Power Capping in LLM Decode" (arXiv 2605.11999);
+* [Dynamo] NVIDIA Dynamo's power-planner design notes (ai-dynamo/dynamo,
+  docs/design-docs/power-planner.md);
+* [NVML] NVIDIA's NVML API reference (power readings, limits, field values).
+
+Where the sources are silent, the docstring that makes a choice names it a modelling choice.
+Curves use the logistic form of the [G2G] fits:
 
     y(b) = b0 + L / (1 + exp(-k * (log2(b) - x0)))        b = running decode batch
 """
@@ -39,29 +47,30 @@ DEFAULT_KV_CAPACITY_TOKENS = 400_000
 
 
 def logistic(b: float, b0: float, span: float, k: float, x0: float) -> float:
-    """The facts' fit form in log2(batch); batch below 1 is treated as 1."""
+    """The [G2G] fit form in log2(batch); batch below 1 is treated as 1."""
     x = math.log2(max(b, 1.0))
     return b0 + span / (1.0 + math.exp(-k * (x - x0)))
 
 
 @dataclass(frozen=True)
 class GpuProfile:
-    """One served model on one GPU set. Powers are totals over the set (the facts sum over GPUs)."""
+    """One served model on one GPU set. Powers are totals over the set ([G2G] sums over GPUs)."""
 
     name: str
     num_gpus: int
     gpu_model_name: str
     """What dcgm-exporter puts in its modelName label."""
     tdp_w_per_gpu: float
-    """Board power limit by default and the top of NVML's limit constraints (facts: TDP list)."""
+    """Board power limit by default and the top of NVML's limit constraints (NVIDIA datasheets:
+    H100 SXM and H200 SXM, 700 W)."""
 
-    # Decode power, logistic in log2(b) (facts, power columns).
+    # Decode power, logistic in log2(b) ([G2G] fits, power).
     dec_base_w: float
     dec_span_w: float
     dec_k: float
     dec_x0: float
 
-    # Decode step time (ITL), logistic in log2(b) (facts, ITL columns).
+    # Decode step time (ITL), logistic in log2(b) ([G2G] fits, ITL).
     itl_base_s: float
     itl_span_s: float
     itl_k: float
@@ -69,32 +78,33 @@ class GpuProfile:
 
     prefill_tok_s: float
     """Compute-bound prefill rate: 2 * params FLOP/token at ~40% of 989 dense bf16 TFLOP/s per
-    GPU (modelling choice; the facts give no prefill rate)."""
+    GPU (modelling choice; the sources give no prefill rate)."""
 
     idle_w_per_gpu: float = 78.0
-    """Facts: "Idle H200: about 75-80 W" (low confidence); used for H100 as well."""
+    """Idle H200: about 75-80 W (vendor and benchmark pages; low confidence); used for H100 too."""
 
     min_limit_w_per_gpu: float = 200.0
     """The bottom of NVML's limit constraints (nvmlDeviceGetPowerManagementLimitConstraints): an
     H100 SXM reports 200-700 W in `nvidia-smi -q -d POWER`; used for the other profiles too."""
 
     prefill_power_frac: float = 0.95
-    """Prefill runs near the power limit (facts: "Prefill is compute-bound: it runs near the power
-    limit"); 0.95 x TDP is the modelling choice."""
+    """Prefill runs near the power limit ([IPC], [Dynamo]: prefill is compute-bound and runs near
+    the power limit); 0.95 x TDP is the modelling choice."""
 
     kv_power_frac: float = 0.08
-    """Facts: power rises "with KV-cache traffic". Modelling choice: a full KV cache fills up to 8%
-    of the headroom left between the batch curve and its ceiling, so the fit is exact at empty
-    KV and the curve never exceeds b0 + L (memory traffic saturates at large batch)."""
+    """Power rises with KV-cache traffic ([IPC]: decode is memory-bound). Modelling choice: a full
+    KV cache fills up to 8% of the headroom left between the batch curve and its ceiling, so the
+    fit is exact at empty KV and the curve never exceeds b0 + L (memory traffic saturates at large
+    batch)."""
 
     noise_sigma_w_per_gpu: float = 20.0
-    """Gaussian noise on instant readings (facts: batch-128 trace "typically +-40 W" = ~2 sigma)."""
+    """Gaussian noise on instant readings ([G2G] batch-128 trace: "typically +-40 W" = ~2 sigma)."""
 
     spike_prob: float = 0.01
     spike_min_w: float = 100.0
     spike_max_w: float = 185.0
     """Rare upward spikes on instant readings: 665 W mean with single readings "up to about
-    850 W" (facts, Noise) gives +185 W at most; 1% is the modelling choice."""
+    850 W" ([G2G] trace) gives +185 W at most; 1% is the modelling choice."""
 
     @property
     def tdp_w(self) -> float:
@@ -126,7 +136,7 @@ _H100_LLAMA8B = GpuProfile(
 
 PROFILES: dict[str, GpuProfile] = {
     "h100-llama8b": _H100_LLAMA8B,
-    # "Illusion of Power Capping" regime (facts): decode alone draws 137-300 W on an H200; the
+    # [IPC] regime: decode alone draws 137-300 W on an H200; the
     # shape in batch (and the latency) is borrowed from the 8B fit: the paper gives only the range.
     "h200-decode-light": replace(
         _H100_LLAMA8B,
@@ -199,9 +209,9 @@ def step_time_s(
 
     Modelling choice: the two parts run back to back, so time adds and power is their
     time-weighted mean. Under a power limit each part is clamped to the limit and slowed: prefill
-    time by P_pre/limit (compute-bound; facts, Dynamo notes: 30% less power costs ~30% throughput),
-    decode time by sqrt(P_dec/limit) (memory-bound decode is far less clock-sensitive; facts,
-    "Illusion of Power Capping"; the square root is our choice). A step with no work draws idle.
+    time by P_pre/limit (compute-bound; [Dynamo]: 30% less power costs ~30% throughput),
+    decode time by sqrt(P_dec/limit) (memory-bound decode is far less clock-sensitive,
+    [IPC]; the square root is our choice). A step with no work draws idle.
     """
     limit = profile.tdp_w if power_limit_w is None else power_limit_w
     t_dec = decode_step_s(profile, batch)
@@ -239,7 +249,7 @@ def steady_state(
     power_limit_w: float | None = None,
     kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
 ) -> SteadyState:
-    """Repeat one step shape forever: what a calibration check compares with the facts table."""
+    """Repeat one step shape forever: what a calibration check compares with [G2G]'s table."""
     step_s, power_w = step_time_s(
         profile,
         batch,
@@ -260,7 +270,7 @@ def steady_state(
 def noisy_readings_w(
     profile: GpuProfile, true_power_w: float, rng: np.random.Generator
 ) -> list[float]:
-    """Instant per-GPU readings around an even split of the true power (facts, Noise).
+    """Instant per-GPU readings around an even split of the true power ([G2G] trace).
 
     The true power, not these readings, feeds the energy counter: spikes are sensor artefacts.
     """

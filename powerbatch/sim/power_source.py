@@ -23,8 +23,8 @@ class SimPowerSource:
     """Reads a running `SimEngine` directly, as NVML would read the board.
 
     `kind="average"` (default) is the 1-second mean that nvmlDeviceGetPowerUsage returns on Hopper;
-    `kind="instant"` is the noisy NVML_FI_DEV_POWER_INSTANT reading (facts, NVML). Energy is the
-    engine's exact counter, like nvmlDeviceGetTotalEnergyConsumption.
+    `kind="instant"` is the noisy NVML_FI_DEV_POWER_INSTANT reading (NVML API reference, field
+    value 186). Energy is the engine's exact counter, like nvmlDeviceGetTotalEnergyConsumption.
     """
 
     def __init__(

@@ -1,9 +1,10 @@
 """An OpenAI-compatible HTTP front for `SimEngine`, shaped like vLLM's API server.
 
 It answers what a proxy and a benchmark touch: chat and text completions (streaming in vLLM's SSE
-format), embeddings (prefill-only jobs), /v1/models, /health, /metrics with vLLM's and
-dcgm-exporter's names, /sim/* admin routes for the power limit and the step trace, and the zeusd
-daemon's GPU API (powerbatch.sim.zeusd_api) for per-GPU limits.
+format), embeddings (prefill-only jobs), /v1/models, /health, /metrics with vLLM's names (vLLM
+docs, "Production Metrics"; V1 engine: vllm/v1/metrics/loggers.py) and dcgm-exporter's
+(NVIDIA/dcgm-exporter, etc/default-counters.csv), /sim/* admin routes for the power limit and the
+step trace, and the zeusd daemon's GPU API (powerbatch.sim.zeusd_api) for per-GPU limits.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from powerbatch.errors import PowerLimitError
+from powerbatch.errors import PowerLimitError, RequestError
 from powerbatch.sim.engine import (
     EngineStopped,
     QueueFull,
@@ -61,8 +62,9 @@ def _filler(start: int, end: int) -> str:
     return "".join(_WORDS[i % n] for i in range(start, end))
 
 
-class ApiError(Exception):
-    """An error answered in OpenAI's JSON shape (facts: {"error": {message, type, param, code}})."""
+class ApiError(RequestError):
+    """An error answered in OpenAI's JSON shape, as vLLM's OpenAI-compatible server answers
+    (its ErrorResponse): {"error": {message, type, param, code}}."""
 
     def __init__(
         self,

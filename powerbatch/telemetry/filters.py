@@ -10,18 +10,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from statistics import median
 
 from powerbatch.errors import ConfigError
 
 _MAD_TO_SIGMA = 1.4826  # MAD * this estimates the standard deviation of Gaussian noise
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    if len(ordered) % 2:
-        return ordered[mid]
-    return (ordered[mid - 1] + ordered[mid]) / 2.0
 
 
 class HampelFilter:
@@ -50,20 +43,35 @@ class HampelFilter:
         if not math.isfinite(x):
             if not self._values:
                 raise ValueError(f"Hampel filter got {x} before any finite sample")
-            return _median(list(self._values))
+            return median(list(self._values))
         self._values.append(x)
         if len(self._values) < self.window:
             return x
         values = list(self._values)
-        median = _median(values)
-        mad = _median([abs(v - median) for v in values])
-        if abs(x - median) > self.n_sigmas * _MAD_TO_SIGMA * mad:
-            return median
+        mid = median(values)
+        mad = median([abs(v - mid) for v in values])
+        if abs(x - mid) > self.n_sigmas * _MAD_TO_SIGMA * mad:
+            return mid
         return x
 
     def reset(self) -> None:
         """Forget the window, e.g. after a long sensor outage made it meaningless."""
         self._values.clear()
+
+
+def ewma_step(average: float | None, x: float, alpha: float) -> float:
+    """One step of an exponentially weighted moving average: `x` when there is no average yet,
+    else `average + alpha * (x - average)`, never past either of the two (rounding)."""
+    if average is None:
+        return x
+    blended = average + alpha * (x - average)
+    return min(max(blended, min(average, x)), max(average, x))
+
+
+def half_life_alpha(dt_s: float, half_life_s: float) -> float:
+    """The EWMA weight of a sample `dt_s` after the previous one: 1 - 2**(-dt_s / half_life_s),
+    so the old average's weight halves every `half_life_s` whatever the sampling rate."""
+    return 1.0 - math.exp2(-dt_s / half_life_s)
 
 
 class Ewma:
@@ -96,10 +104,7 @@ class Ewma:
         dt_s = t_s - self._t_s
         if dt_s <= 0:
             return self._value
-        alpha = 1.0 - 2.0 ** (-dt_s / self.half_life_s)
-        blended = self._value + alpha * (x - self._value)
-        # Rounding must not carry the average past either end of the step.
-        self._value = min(max(blended, min(self._value, x)), max(self._value, x))
+        self._value = ewma_step(self._value, x, half_life_alpha(dt_s, self.half_life_s))
         self._t_s = t_s
         return self._value
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
-import socket
-import subprocess
+import statistics
 import sys
 import threading
 import time
@@ -23,6 +21,8 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from powerbatch.cli.process import Child, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
@@ -40,25 +40,19 @@ STREAM_INTERVAL = 8
 START_TIMEOUT_S = 180.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class VllmServer:
     url: str
     plugin_url: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
+    child: Child
     env: dict[str, str] = field(default_factory=dict)
 
-    def log_tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+    def log_tail(self, chars: int = 6000) -> str:
+        return self.child.log_tail(chars)
 
 
 def _require_vllm() -> None:
@@ -68,22 +62,6 @@ def _require_vllm() -> None:
         pytest.skip("needs vLLM: run scripts/setup_vllm_cpu.sh, then .venv-vllm/bin/pytest -m vllm")
     if not (MODEL / "model.safetensors").exists():
         pytest.skip(f"no tiny model at {MODEL}: run scripts/setup_vllm_cpu.sh")
-
-
-def _wait_healthy(server: VllmServer, timeout_s: float) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            raise RuntimeError(
-                f"vllm serve exited ({server.proc.returncode}):\n{server.log_tail()}"
-            )
-        with contextlib.suppress(OSError), urllib.request.urlopen(server.url + "/health") as r:
-            if r.status == 200:
-                return
-        time.sleep(1.0)
-    raise RuntimeError(f"vllm serve not healthy in {timeout_s:.0f} s:\n{server.log_tail()}")
 
 
 def pin_engine(server: VllmServer) -> set[int] | None:
@@ -99,7 +77,7 @@ def pin_engine(server: VllmServer) -> set[int] | None:
     """
     import psutil
 
-    procs = psutil.Process(server.proc.pid).children(recursive=True)
+    procs = psutil.Process(server.pid).children(recursive=True)
     names = {p: p.name() for p in procs}
     workers = [p for p, n in names.items() if "Worker" in n]
     engines = [p for p, n in names.items() if "EngineCore" in n]
@@ -113,19 +91,6 @@ def pin_engine(server: VllmServer) -> set[int] | None:
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(thread.id, cores)
     return cores
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
 
 
 @contextlib.contextmanager
@@ -148,8 +113,7 @@ def vllm_server(
         }
         | plugin_env
     )
-    cmd = [
-        str(VENV / "bin" / "vllm"),
+    args = [
         "serve",
         str(MODEL),
         "--served-model-name",
@@ -170,32 +134,26 @@ def vllm_server(
         "--scheduler-cls",
         scheduler,
     ]
-    log_path = OUT / f"{name}-vllm.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    server = VllmServer(
-        f"http://127.0.0.1:{port}", f"http://127.0.0.1:{plugin_port}", proc, log_path, env
+    child = Child(
+        f"{name}-vllm", args, OUT, command=[str(VENV / "bin" / "vllm")], env=env, new_session=True
     )
+    server = VllmServer(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{plugin_port}", child, env)
     try:
         t0 = time.monotonic()
-        _wait_healthy(server, START_TIMEOUT_S)
+        child.launch()
+        child.wait_ready(server.url + "/health", START_TIMEOUT_S, interval_s=1.0)
         print(f"\n[{name}] vllm serve healthy in {time.monotonic() - t0:.1f} s", file=sys.stderr)
         print(f"[{name}] EngineCore pinned to cores {pin_engine(server)}", file=sys.stderr)
         yield server
     finally:
-        _stop(proc)
+        child.terminate(timeout_s=20)
 
 
 @contextlib.contextmanager
 def proxy_server(upstream: str, power_url: str, ceiling_w: float) -> Iterator[str]:
     """`powerbatch serve` in front of `upstream`, reading watts from a dcgm-format `power_url`."""
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "powerbatch",
+    args = [
         "serve",
         "--upstream",
         upstream,
@@ -214,25 +172,14 @@ def proxy_server(upstream: str, power_url: str, ceiling_w: float) -> Iterator[st
         "--record-trace",
         str(OUT / "proxy-control-trace.csv"),
     ]
-    log_path = OUT / "proxy.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    child = Child("proxy", args, OUT, new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        import urllib.request
-
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"powerbatch serve exited:\n{log_path.read_text()[-3000:]}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(url + "/health", timeout=2):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"proxy not up:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.5)
+        child.launch()
+        child.wait_ready(url + "/health", 30, interval_s=0.5)
         yield url
     finally:
-        _stop(proc)
+        child.terminate(timeout_s=20)
 
 
 # -- scraping -------------------------------------------------------------------------------
@@ -318,7 +265,7 @@ def summarize(values: list[float]) -> dict[str, float]:
     return {
         "n": len(vs),
         "min": vs[0],
-        "median": vs[len(vs) // 2],
+        "median": statistics.median(vs),
         "p95": vs[min(len(vs) - 1, math.ceil(0.95 * len(vs)) - 1)],
         "max": vs[-1],
         "mean": sum(vs) / len(vs),

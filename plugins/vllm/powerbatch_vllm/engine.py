@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from powerbatch.control import LatencySnapshot, LatencyWindow, Limits
+from powerbatch.telemetry.filters import ewma_step
 
 # vLLM's priorities are integers with no names; the controller's TTFT p95 counts these classes.
 LATENCY_CLASS = "normal"
@@ -158,9 +159,7 @@ class StepStats:
             if self._last_busy_t is not None:
                 dt = now - self._last_busy_t
                 if 0 < dt < 10.0:
-                    self.step_s = (
-                        dt if self.step_s is None else self.step_s + 0.1 * (dt - self.step_s)
-                    )
+                    self.step_s = ewma_step(self.step_s, dt, 0.1)
                     if decode_reqs:
                         self._latency.record(now, LATENCY_CLASS, None, dt)
             self._last_busy_t = now

@@ -1,0 +1,48 @@
+"""powerbatch.cli.process.Child: the one launch-wait-stop helper, sync and async."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run
+
+from powerbatch.cli.process import Child, ChildFailed, free_port
+from powerbatch.errors import PowerbatchError
+
+PY = (sys.executable,)
+SERVE = ["-m", "http.server", "--bind", "127.0.0.1"]
+
+
+def test_a_child_that_exits_fails_with_its_log(tmp_path: Path) -> None:
+    child = Child("oops", ["-c", "print('boom'); raise SystemExit(3)"], tmp_path, command=PY)
+    child.launch()
+    with pytest.raises(ChildFailed, match=r"(?s)oops exited \(3\).*boom"):
+        child.wait_ready(f"http://127.0.0.1:{free_port()}/", timeout_s=10)
+    assert isinstance(ChildFailed("x"), PowerbatchError)
+
+
+def test_sync_launch_ready_terminate(tmp_path: Path) -> None:
+    port = free_port()
+    child = Child("http", [*SERVE, str(port)], tmp_path, command=PY, new_session=True)
+    child.launch()
+    child.wait_ready(f"http://127.0.0.1:{port}/", timeout_s=20)
+    assert child.running()
+    assert child.terminate(timeout_s=10) == -signal.SIGTERM
+    assert not child.running() and child.returncode == -signal.SIGTERM
+
+
+def test_async_start_wait_stop(tmp_path: Path) -> None:
+    port = free_port()
+
+    async def go() -> None:
+        child = Child("http", [*SERVE, str(port)], tmp_path, command=PY)
+        await child.start(f"http://127.0.0.1:{port}/", timeout_s=20)
+        with pytest.raises(TimeoutError):
+            await child.wait(0.1)
+        assert await child.stop() == -signal.SIGTERM
+        assert await child.stop() == -signal.SIGTERM  # idempotent
+
+    run(go())
