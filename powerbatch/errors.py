@@ -24,6 +24,7 @@ Classes defined elsewhere name their module in brackets; all derive from a class
     ├── QueueFull                   [sim.engine] the simulator's waiting queue is full
     ├── RequestTooLarge             [sim.engine] a request could never fit the KV cache
     ├── EngineStopped               [sim.engine] the engine stopped before a request finished
+    ├── ZeusdRequestError           [telemetry.zeusd] a zeusd call failed (mapped by its callers)
     └── ChildFailed                 [cli.process] a child process exited or never became ready
                                     (also a RuntimeError)
 

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from powerbatch.errors import SensorReadError, SensorUnavailable, TelemetryError
+from powerbatch.errors import PowerbatchError, SensorReadError, SensorUnavailable, TelemetryError
 from powerbatch.telemetry.base import PowerSample
 
 __all__ = ["ZeusdClient", "ZeusdGpu", "ZeusdPowerSource", "ZeusdRequestError"]
@@ -38,7 +38,7 @@ __all__ = ["ZeusdClient", "ZeusdGpu", "ZeusdPowerSource", "ZeusdRequestError"]
 ErrorKind = Literal["unreachable", "unauthorized", "forbidden", "bad_request", "timeout", "failed"]
 
 
-class ZeusdRequestError(Exception):
+class ZeusdRequestError(PowerbatchError):
     """A zeusd call failed; `kind` says how (what the caller maps to its own error class)."""
 
     def __init__(self, kind: ErrorKind, message: str, status: int | None = None) -> None:
