@@ -29,6 +29,8 @@ from powerbatch.telemetry import (
     default_power_limit_w,
     nvml_available,
 )
+from powerbatch.telemetry.limiter import make_actuator
+from powerbatch.telemetry.zeusd import ZeusdPowerSource
 
 log = logging.getLogger("powerbatch")
 
@@ -54,6 +56,9 @@ def make_power_source(s: ServeSettings, kind: str) -> PowerSource:
     if kind == "replay":
         assert p.replay_trace is not None  # PowerSettings checks this
         return ReplayPowerSource(p.replay_trace, clock="wall")
+    if kind == "zeusd":
+        assert s.limiter.zeusd_url is not None  # ServeSettings checks this
+        return ZeusdPowerSource(s.limiter.zeusd_url, p.gpu_indices(), token=s.limiter.zeusd_token)
     raise ConfigError(f"the proxy cannot read power from {kind!r}")
 
 
@@ -184,6 +189,7 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
         upstream_scraper=scraper,
         source_averages=averaged,
         trace=open_trace(s.trace),
+        actuator=make_actuator(s.limiter, s.power.gpu_indices()),
     )
     return create_app(gov, s.proxy), gov
 

@@ -44,6 +44,13 @@ class ServeSettings:
             )
         if self.hardware_backstop and self.power.power_source not in ("nvml", "auto"):
             raise ConfigError("hardware_backstop sets the limit through NVML: it needs nvml")
+        if self.hardware_backstop and self.limiter.power_limiter != "none":
+            raise ConfigError(
+                "hardware_backstop and power_limiter both set the GPUs' power limit: the "
+                "limiter already holds the ceiling with the device limit; drop the backstop"
+            )
+        if self.power.power_source == "zeusd" and not self.limiter.zeusd_url:
+            raise ConfigError("power_source zeusd reads zeusd_url: set --zeusd-url")
         unknown = sorted(set(self.control.interactive_classes) - set(PRIORITIES))
         if unknown:
             raise ConfigError(

@@ -638,3 +638,11 @@ class LimitActuator:
             "changes_total": self.changes_total,
             "failures_total": self.failures_total,
         }
+
+
+def make_actuator(settings: LimiterSettings, gpus: Sequence[int]) -> LimitActuator | None:
+    """The configured limiter behind its actuator, or None for admission alone (not started:
+    the control loop starts it first thing, so crash recovery runs before anything else)."""
+    if settings.power_limiter == "none":
+        return None
+    return LimitActuator.from_settings(make_limiter(settings, gpus), settings)

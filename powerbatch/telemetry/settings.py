@@ -8,7 +8,7 @@ from typing import Literal
 from powerbatch.errors import ConfigError
 from powerbatch.settings import check_bounds, setting
 
-SourceKind = Literal["auto", "nvml", "dcgm", "replay", "model"]
+SourceKind = Literal["auto", "nvml", "dcgm", "zeusd", "replay", "model"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,8 +18,8 @@ class PowerSettings:
     power_source: SourceKind = setting(
         "auto",
         "where watts come from: auto (NVML where it sees the GPUs, else the dcgm-exporter "
-        "endpoint), nvml, dcgm, replay (proxy: a recorded trace) or model (plugin: the "
-        "simulator's power model fed with the engine's real steps)",
+        "endpoint), nvml, dcgm, zeusd (the Zeus daemon at zeusd_url), replay (proxy: a recorded "
+        "trace) or model (plugin: the simulator's power model fed with the engine's real steps)",
     )
     gpus: tuple[str, ...] = setting(
         ("0",), "GPU indices (nvml) or `gpu` label values (dcgm), comma-separated or a list"

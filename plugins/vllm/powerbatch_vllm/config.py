@@ -64,6 +64,8 @@ class PluginConfig:
             )
         if self.power.power_source == "dcgm" and not self.power.dcgm_url:
             raise ConfigError(f"{ENV_PREFIX}POWER_SOURCE=dcgm needs {ENV_PREFIX}DCGM_URL")
+        if self.power.power_source == "zeusd" and not self.limiter.zeusd_url:
+            raise ConfigError(f"{ENV_PREFIX}POWER_SOURCE=zeusd needs {ENV_PREFIX}ZEUSD_URL")
 
     def control_config(
         self, *, engine_max_batch: int, max_kv_tokens: int, device_max_w: float | None = None

@@ -27,6 +27,8 @@ from powerbatch.telemetry import (
     default_power_limit_w,
     nvml_available,
 )
+from powerbatch.telemetry.limiter import make_actuator
+from powerbatch.telemetry.zeusd import ZeusdPowerSource
 from powerbatch_vllm.config import ENV_PREFIX, PluginConfig
 from powerbatch_vllm.engine import EngineCaps, EngineLimits, StepStats, engine_limits
 from powerbatch_vllm.metrics import PluginMetrics, StatusServer, dcgm_text
@@ -60,6 +62,10 @@ def make_power_source(
     if kind == "dcgm":
         assert p.dcgm_url is not None  # PluginConfig checks this
         return PrometheusPowerSource(p.dcgm_url, metric=p.dcgm_metric, labels={"gpu": p.gpus})
+    if kind == "zeusd":
+        lim = cfg.limiter
+        assert lim.zeusd_url is not None  # PluginConfig checks this
+        return ZeusdPowerSource(lim.zeusd_url, p.gpu_indices(), token=lim.zeusd_token)
     # Imported here only: the simulator package brings its HTTP server (aiohttp.web) along,
     # which an engine reading a real sensor has no use for.
     from powerbatch.sim.power_source import ModelPowerSource
@@ -230,6 +236,9 @@ class ControlThread:
             source_averages=averaged,
             history_len=history_len,
             trace=open_trace(cfg.trace),
+            # Created here, started (crash recovery first) and used on the control thread's
+            # own event loop, which owns its HTTP session.
+            actuator=make_actuator(cfg.limiter, cfg.power.gpu_indices()),
         )
         self.dp_rank = dp_rank
         self._stop = threading.Event()
