@@ -32,7 +32,7 @@ check: lint typecheck test
 
 # The side-by-side comparison: the same bursty load without and with the proxy.
 compare: $(STAMP)
-	$(BIN)/powerbatch bench --arms none,dynamic --repeats 1 --out results/compare
+	$(BIN)/powerbatch bench --arms none,admission,powerbatch --repeats 1 --out results/compare
 
 bench: $(STAMP)
 	$(BIN)/powerbatch bench --out results/bench

@@ -33,7 +33,7 @@ def test_bench_compares_arms_and_writes_results(tmp_path: Path) -> None:
         [
             "bench",
             "--arms",
-            "none,static,dynamic",
+            "none,static,admission,powerbatch",
             "--repeats",
             "1",
             "--duration-s",
@@ -47,7 +47,7 @@ def test_bench_compares_arms_and_writes_results(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = json.loads((tmp_path / "results.json").read_text())
-    assert set(results["aggregate"]) == {"none", "static", "dynamic"}
+    assert set(results["aggregate"]) == {"none", "static", "admission", "powerbatch"}
     for arm, runs in results["runs"].items():
         assert runs[0]["requests"] > 0, arm
         assert len(runs[0]["power_1s_w"]) == 6, arm

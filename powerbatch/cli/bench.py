@@ -1,8 +1,10 @@
 """`powerbatch bench`: the same seeded load through each arm, repeated, side by side.
 
 Arms: `none` (the simulated server alone), `hwcap` (its hardware power limit at the ceiling),
-`static` (a fixed batch limit, vLLM's --max-num-seqs, as an operator would tune it) and
-`dynamic` (powerbatch in front). Each arm gets a fresh simulator, so no run warms the next.
+`static` (a fixed batch limit, vLLM's --max-num-seqs, as an operator would tune it),
+`admission` (powerbatch in front, admission alone) and `powerbatch` (powerbatch in front with
+the device power limit as a second actuator, set through the simulator's zeusd API). Each arm
+gets a fresh simulator, so no run warms the next.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from powerbatch.load import PROFILES, LoadProfile, run_load
 if TYPE_CHECKING:
     from rich.console import Console
 
-ARMS = ("none", "hwcap", "static", "dynamic")
+ARMS = ("none", "hwcap", "static", "admission", "powerbatch")
+PROXIED = ("admission", "powerbatch")
 DEFAULT_CEILING_W = 600.0
 
 
@@ -81,7 +84,12 @@ async def fetch_json(session: aiohttp.ClientSession, url: str) -> Any:
 
 
 def proxy_args(a: argparse.Namespace) -> list[str]:
+    from powerbatch.sim.gpu_model import PROFILES as GPUS
+
+    gpus = ",".join(str(i) for i in range(GPUS[a.gpu].num_gpus)) if a.gpu in GPUS else "0"
     args = [
+        "--gpus",
+        gpus,
         "--ceiling-w",
         str(a.ceiling_w),
         "--ttft-slo-s",
@@ -122,7 +130,11 @@ async def run_arm(
         sim_args += ["--max-num-seqs", str(static_batch)]
     plan = profile.plan(a.duration_s, a.seed)
     async with Stack(
-        log_dir / arm, sim_args=sim_args, proxy_args=proxy_args(a), with_proxy=arm == "dynamic"
+        log_dir / arm,
+        sim_args=sim_args,
+        proxy_args=proxy_args(a),
+        with_proxy=arm in PROXIED,
+        limiter=arm == "powerbatch",
     ) as stack:
         t0 = time.monotonic()
         load = asyncio.create_task(run_load(stack.entry_url, plan))

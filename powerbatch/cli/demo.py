@@ -28,6 +28,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_common(p, 60.0)
     p.add_argument("--out", type=Path, default=Path("out/demo"))
     p.add_argument(
+        "--limiter",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="both actuators: the device power limit (the simulator's zeusd API) and admission",
+    )
+    p.add_argument(
         "--live",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -56,6 +62,13 @@ def _view(status: dict[str, Any], sim: dict[str, Any], elapsed_s: float, total_s
     colour = "red" if measured > ceiling else "green"
     t.add_row("power (measured)", f"[{colour}]{_bar(measured, 1.3 * ceiling)} {measured:6.0f} W")
     t.add_row("ceiling", f"{_bar(ceiling, 1.3 * ceiling)} {ceiling:6.0f} W")
+    limit = status.get("power_limit") or {}
+    if limit:
+        in_force = limit.get("in_force_w")
+        text = "degraded: admission alone" if limit.get("degraded") else "—"
+        if in_force is not None and not limit.get("degraded"):
+            text = f"{_bar(in_force, 1.3 * ceiling)} {in_force:6.0f} W"
+        t.add_row("device power limit", text)
     upper = p["predicted_upper_w"]
     t.add_row("predicted upper bound", "—" if upper is None else f"{upper:.0f} W")
     t.add_row("batch limit / in flight", f"{lim.get('max_requests', '—')} / {q['in_flight']}")
@@ -114,7 +127,8 @@ async def _demo(a: argparse.Namespace) -> int:
                             )
                     await asyncio.sleep(0.25)
 
-    run = await run_arm("dynamic", a, profile, a.out / "logs", during=watch)
+    arm = "powerbatch" if a.limiter else "admission"
+    run = await run_arm(arm, a, profile, a.out / "logs", during=watch)
     s = summarize(run, a.ttft_slo_s, a.tpot_slo_s)
     png = plot_runs(
         [run],

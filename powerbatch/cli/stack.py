@@ -24,6 +24,7 @@ class Stack:
         sim_args: list[str] | None = None,
         proxy_args: list[str] | None = None,
         with_proxy: bool = True,
+        limiter: bool = False,
     ) -> None:
         self.sim_port = free_port()
         self.proxy_port = free_port()
@@ -46,6 +47,9 @@ class Stack:
                 "DCGM_FI_DEV_POWER_USAGE_INSTANT",
                 *(proxy_args or []),
             ]
+            if limiter:  # the device power limit through the simulator's zeusd API
+                args += ["--power-limiter", "zeusd", "--zeusd-url", self.sim_url]
+                args += ["--limit-state-dir", str(log_dir / "limits")]
             self.proxy = Child("proxy", args, log_dir)
 
     @property
