@@ -79,6 +79,10 @@ def test_a_failed_limiter_falls_back_to_admission_alone() -> None:
     assert sum(p > 600.0 for _, p, *_ in after) <= 0.01 * len(after)
 
 
+def recorded(folder: Path) -> list[Path]:
+    return list(folder.iterdir())
+
+
 def settings(url: str, tmp_path: Path, **flat: object) -> ServeSettings:
     base = {
         "upstream": url,
@@ -112,13 +116,13 @@ def test_the_loop_sets_the_simulators_limit_and_restores_it(tmp_path: Path) -> N
                 status = gov.loop.status()
                 assert status["power_limit"]["in_force_w"] == 2376.0
                 assert status["power_limit"]["degraded"] is False
-                assert list(tmp_path.iterdir()), "no crash-recovery record while changed"
+                assert recorded(tmp_path), "no crash-recovery record while changed"
                 await asyncio.sleep(0.5)
                 assert gov.loop.last is not None and gov.loop.last.capped
             finally:
                 await gov.stop()
             assert engine.power_limit_w == 2800.0  # restored on stop
-            assert not list(tmp_path.iterdir())
+            assert not recorded(tmp_path)
         finally:
             await sim.close()
 
@@ -146,6 +150,49 @@ def test_an_unreachable_limiter_degrades_and_says_so(tmp_path: Path) -> None:
             finally:
                 await gov.stop()
             assert engine.power_limit_w == 2800.0  # never touched
+        finally:
+            await sim.close()
+
+    run(main())
+
+
+def test_the_vllm_plugin_drives_the_same_actuator(tmp_path: Path) -> None:
+    """The plugin's control thread sets the limit on its own event loop and restores it."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "vllm"))
+    from powerbatch_vllm.config import PLUGIN, PluginConfig
+    from powerbatch_vllm.control import ControlThread
+    from powerbatch_vllm.engine import EngineCaps, StepStats
+
+    caps = EngineCaps(max_active_reqs=64, max_step_tokens=2048, num_kv_blocks=511, block_size=16)
+
+    async def main() -> None:
+        engine = SimEngine("h100-llama8b", seed=1)
+        sim = await start_sim_server(engine)
+        try:
+            flat = {
+                "ceiling_w": 600.0,
+                "power_source": "zeusd",
+                "power_limiter": "zeusd",
+                "zeusd_url": sim.url,
+                "limit_state_dir": str(tmp_path),
+                "metrics_port": 0,
+                "warmup_s": 0.0,
+            }
+            cfg: PluginConfig = load(PLUGIN, environ={}, overrides=flat)
+            ct = ControlThread(cfg, caps, StepStats())
+            ct.start()
+            try:
+                for _ in range(100):
+                    if engine.power_limit_w < 700.0:
+                        break
+                    await asyncio.sleep(0.05)
+                assert engine.power_limit_w == 594.0
+            finally:
+                await asyncio.to_thread(ct.stop, 5.0)
+            assert engine.power_limit_w == 700.0
+            assert ct.status()["power_limit"]["changes_total"] >= 1
         finally:
             await sim.close()
 

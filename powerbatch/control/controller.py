@@ -130,6 +130,7 @@ class Controller:
         self._demand: deque[tuple[float, int]] = deque()
         self._cut_until_s = -math.inf
         self._recent_power: deque[tuple[float, float]] = deque()
+        self._bias_w = 0.0  # measured less modelled power at the batch in flight (EWMA)
         self._good_since_s: float | None = None
         self._failed_before = False
         self._grid = np.arange(config.min_batch, config.max_batch + 1, dtype=float)
@@ -358,11 +359,16 @@ class Controller:
         current = self._batch
         power_w, anchor, in_flight, queued = self._as_enforced(obs, current, pred.mean_w)
 
+        lo = cfg.min_batch
+        model_here_w = float(pred.mean_w[round(min(max(anchor, lo), cfg.max_batch)) - lo])
+        if not censored:
+            # What the meter says the model misses at the batch in flight: its level may be
+            # off (a load mix it has not seen) while its slope is still right.
+            self._bias_w += 0.2 * (power_w - model_here_w - self._bias_w)
         if capped and limit_w is not None:
-            # The meter reads the cap; judge the batch by the model's uncapped demand.
-            lo = cfg.min_batch
-            at = round(min(max(anchor, lo), cfg.max_batch)) - lo
-            demand_w = max(power_w, float(pred.mean_w[at]))
+            # The meter reads the cap, so judge the batch by its uncapped demand: the model at
+            # the batch in flight, corrected by its bias from the last uncensored readings.
+            demand_w = max(power_w, model_here_w + self._bias_w)
             goal_w = limit_w * (1.0 + g.throttle_allowance)
             violation_w = power_w - ceiling_w  # only a breach of the ceiling itself
         else:
@@ -407,6 +413,11 @@ class Controller:
             new = min(current, cap)
         elif warming:
             new = min(cfg.initial_batch, cap)
+        elif capped:
+            # The device limit holds the ceiling however fast the batch grows, so a burst is
+            # let in at once (to where the throttle allowance and the other constraints fit)
+            # instead of queueing while the batch ramps a step a tick.
+            new = cap
         else:
             new = cap if cap < current else min(cap, current + step)
         self._batch = max(cfg.min_batch, min(new, cfg.max_batch))
