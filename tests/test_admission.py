@@ -203,3 +203,25 @@ def test_drain_answers_queued_with_503_and_refuses_new() -> None:
         await asyncio.wait_for(idle, 1)
 
     run(main())
+
+
+def test_the_top_class_may_take_the_reserve_beyond_the_batch_limit() -> None:
+    async def main() -> None:
+        q = AdmissionQueue(Limits(2, 10**9, None, reserve_requests=1))
+        a = await q.admit("normal", 1, 1)
+        b = await q.admit("low", 1, 1)
+        blocked = asyncio.ensure_future(q.admit("normal", 1, 1))
+        await asyncio.sleep(0)
+        assert not blocked.done()  # the batch limit holds for the other classes
+        high = await asyncio.wait_for(q.admit("high", 1, 1), 1.0)  # the reserve is the top's
+        assert q.in_flight == 3
+        second_high = asyncio.ensure_future(q.admit("high", 1, 1))
+        await asyncio.sleep(0)
+        assert not second_high.done()  # the reserve is bounded too
+        for slot in (a, b, high):
+            slot.release()
+        for fut in (blocked, second_high):
+            (await fut).release()
+        assert q.in_flight == 0
+
+    run(main())

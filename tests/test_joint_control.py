@@ -197,3 +197,17 @@ def test_the_vllm_plugin_drives_the_same_actuator(tmp_path: Path) -> None:
             await sim.close()
 
     run(main())
+
+
+def test_only_a_device_limit_opens_the_reserve_for_the_top_class() -> None:
+    def last(limit_w: float | None) -> int:
+        ctl = Controller(ControlConfig(ceiling_w=600.0, warmup_s=0.0))
+        d = None
+        for i in range(30):
+            feats = Features(8, 7200.0, 320.0, 240.0)
+            d = ctl.tick(Observation(i / 5, 500.0, True, feats, 8, 20, power_limit_w=limit_w))
+        assert d is not None
+        return d.enforced.reserve_requests
+
+    assert last(594.0) > 0
+    assert last(None) == 0  # admission alone holds the ceiling: no slot beyond the limit

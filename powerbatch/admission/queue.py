@@ -202,6 +202,8 @@ class AdmissionQueue:
     def _fits(self, priority: str, kv_tokens: int, prefill_tokens: int, now: float) -> bool:
         lim = self.limits
         allowed = lim.max_requests
+        if priority == PRIORITIES[0]:
+            allowed += lim.reserve_requests
         if self.valley_fill and priority == DEFERRABLE:
             allowed -= math.ceil(self.fill_reserve_frac * lim.max_requests)
         if self.in_flight >= max(allowed, 1):

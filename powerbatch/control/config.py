@@ -99,6 +99,12 @@ class Gains:
     throttle_allowance: float = setting(
         0.15, "admission lets uncapped demand exceed the device limit by this share", ge=0, le=1
     )
+    # Under a device limit, the most urgent class may also take reserve_frac × batch slots
+    # beyond the batch limit: its first tokens need not wait behind batch work, and the cap,
+    # not admission, holds the ceiling while it runs.
+    reserve_frac: float = setting(
+        0.5, "under a device limit, extra slots for the top class, x the batch limit", ge=0, le=4
+    )
     # The learned shape of one request (KV, prefill, decode rates) follows the load mix with
     # this EWMA weight per tick: slow, the mix changes over tens of ticks.
     shape_rate: float = setting(0.1, "EWMA weight per tick of the per-request shape", gt=0, le=1)

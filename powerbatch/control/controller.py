@@ -63,6 +63,9 @@ class Limits:
     max_requests: int
     max_kv_tokens: int
     prefill_tok_s: float | None = None
+    # Slots beyond max_requests that only the most urgent class may take: under a device limit
+    # the cap holds the ceiling, so interactive work need not queue behind batch work.
+    reserve_requests: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,7 +442,11 @@ class Controller:
             state = cfg.mode
         idx = self._batch - cfg.min_batch
         mean_w, upper_w = float(pred.mean_w[idx]), float(pred.upper_w[idx])
-        limits = Limits(self._batch, kv_limit, self._prefill_pace(self._batch, target_w))
+        reserve = 0
+        if capped:
+            reserve = min(cfg.max_batch - self._batch, math.ceil(g.reserve_frac * self._batch))
+        pace = self._prefill_pace(self._batch, target_w)
+        limits = Limits(self._batch, kv_limit, pace, reserve)
         return self._decide(
             obs,
             limits,
