@@ -176,6 +176,7 @@ def _limits(x: Limits | None) -> dict[str, Any] | None:
         "max_requests": x.max_requests,
         "max_kv_tokens": x.max_kv_tokens,
         "prefill_tok_s": x.prefill_tok_s,
+        "reserve_requests": x.reserve_requests,
     }
 
 
