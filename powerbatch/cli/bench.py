@@ -200,6 +200,7 @@ def table(results: dict[str, dict[str, Any]], console: Console, title: str) -> N
     row("sd of 1-s power in bursts, W", "power_std_high_w")
     row("sd of 1-s power, whole run, W", "power_std_w")
     row("mean power, W", "power_mean_w")
+    row("mean power where power binds, W", "power_bound_mean_w")
     row("output tokens/s", "output_tok_s", ".0f")
     row("J per output token", "j_per_token", ".3f")
     row("goodput, req/s in SLO", "goodput_rps", ".2f")

@@ -44,6 +44,20 @@ def power_1s(
     return edges[:-1] - t0_s + 0.5, np.diff(e) / np.diff(edges)
 
 
+def power_bound_seconds(run: RunData, n_seconds: int) -> NDArray[np.bool_]:
+    """The seconds in which power bound the batch on most ticks (from the proxy's history)."""
+    bound = np.zeros(n_seconds, bool)
+    h = run.history
+    if not h or not h.get("t_s"):
+        return bound
+    t = np.asarray(h["t_s"], float) - run.t0_s
+    is_power = np.asarray([b == "power" for b in h["binding"]], bool)
+    for i in range(n_seconds):
+        sel = (t >= i) & (t < i + 1)
+        bound[i] = bool(sel.any() and is_power[sel].mean() >= 0.5)
+    return bound
+
+
 def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
@@ -79,6 +93,7 @@ def summarize(run: RunData, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, A
             "tpot_p99_s": _pct(tpot, 99),
         }
     statuses = [r.status for r in run.results]
+    bound = power_bound_seconds(run, len(p1))
     return {
         "arm": run.arm,
         "ceiling_w": run.ceiling_w,
@@ -92,6 +107,9 @@ def summarize(run: RunData, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, A
         "power_std_high_w": float(np.std(p1[high])) if high.any() else None,
         "power_mean_w": float(np.mean(p1)) if len(p1) else None,
         "power_max_w": float(np.max(p1)) if len(p1) else None,
+        # Where power bound the batch: how much of the budget admission actually used.
+        "power_bound_frac": float(bound.mean()) if len(p1) else None,
+        "power_bound_mean_w": float(np.mean(p1[bound])) if bound.any() else None,
         "energy_j": energy_j,
         "output_tokens": tokens,
         "output_tok_s": tokens / end_s if end_s > 0 else 0.0,
