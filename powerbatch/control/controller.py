@@ -156,6 +156,11 @@ class Controller:
         self._grid = np.arange(config.min_batch, config.max_batch + 1, dtype=float)
         self.last: Decision | None = None
 
+    def power_curve(self) -> np.ndarray:
+        """The model's mean watts at each batch, min to max, at the learned request shape:
+        what the shape planner turns a forecast batch into."""
+        return self.model.predict_design(design_ray(self._shape, self._grid)).mean_w
+
     # -- pieces of the decision ---------------------------------------------------------------
 
     def _learn_shape(self, f: Features) -> None:
