@@ -107,6 +107,7 @@ class TickRecord:
     binding: str
     state: str
     features: Features
+    plan_w: float | None = None  # the shape planner's power for this second
 
     def as_dict(self) -> dict[str, Any]:
         """Flat and strict-JSON-safe (non-finite numbers become None)."""
@@ -419,6 +420,7 @@ class ControlLoop:
             binding=d.binding,
             state=d.state,
             features=features,
+            plan_w=plan_w,
         )
         self.history.append(record)
         if self.trace is not None:
