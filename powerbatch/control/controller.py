@@ -27,8 +27,9 @@ rises while it is violated and decays while it is slack. Concretely:
   bounded where the model's predicted decrement reaches `ramp_down × 1 s`, unless measured power
   is over `ceiling - margin` (the ceiling always wins). Deferrable (low-class) work is released
   to hold `floor_w` or to slow a fall faster than half of `ramp_down`. A plan
-  (`Observation.plan_w`, see powerbatch.shape.planner) lowers the target to the planned power,
-  holds deferrable work above it and releases it below.
+  (`Observation.plan_w`, see powerbatch.shape.planner) stops growth at the planned power, holds
+  deferrable work above it and releases it below. It does not lower the target: a plan one
+  ramp from the meter, used as a target, stepped interactive work down on every noisy second.
 
 Variance is kept low by bounded steps up, a dead band (hysteresis) between growing and shrinking,
 a batch that leads recent demand by a bounded factor (so a burst ramps in instead of landing at
@@ -364,6 +365,10 @@ class Controller:
             up = max(int(self._grid[ok[-1]]) if len(ok) else lo, base + 1)
             if rise_w >= sh.ramp_up:
                 up = min(up, current)
+        if obs.plan_w is not None:
+            # Grow only into the plan's headroom (stepping down stays the power law's).
+            fits = np.nonzero(delta_w <= obs.plan_w - power_w)[0]
+            up = min(up, max(int(self._grid[fits[-1]]) if len(fits) else lo, min(base, current)))
         if sh.ramp_down is not None:
             ok = np.nonzero(delta_w >= -sh.ramp_down)[0]
             down = int(self._grid[ok[0]]) if len(ok) else lo
@@ -458,8 +463,6 @@ class Controller:
             self._update_latency(obs.latency, in_flight)
             self._update_kv(obs.kv_cache_usage)
         target_w = goal_w - self._lambda["power"]
-        if obs.plan_w is not None:
-            target_w = min(target_w, obs.plan_w)  # follow the plan; the ceiling still wins
 
         step = max(1, math.ceil(current * g.step_up_frac))
         ttft = obs.latency.ttft_p95_s if obs.latency else None

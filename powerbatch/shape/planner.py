@@ -69,13 +69,13 @@ class Plan:
     def at(self, t_s: float) -> float | None:
         """The planned power for the second holding `t_s`; None outside the horizon."""
         k = int((t_s - self.t0_s) // 1.0)
-        if 0 <= k < len(self.power_w):
+        if self.status == "optimal" and 0 <= k < len(self.power_w):
             return float(self.power_w[k])
         return None
 
 
 def solve(x: PlanInputs, t0_s: float = 0.0) -> Plan:
-    """The plan for `x`; raises nothing: a failed solve returns a plan at the interactive need."""
+    """The plan for `x`. A failed solve returns a plan that reads None: no plan, reactive only."""
     started = time.perf_counter()
     h = len(x.interactive_w)
     i_w = np.minimum(np.asarray(x.interactive_w, float), x.cap_w)
