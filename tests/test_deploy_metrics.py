@@ -250,7 +250,9 @@ def test_metrics_doc_names_only_exported_metrics() -> None:
 
 def _label_names(family_name: str) -> tuple[str, ...]:
     metrics = ProxyMetrics()
-    for value in vars(metrics).values():
+    # Metrics are attributes of ProxyMetrics, or of a section of it (metrics.shape).
+    values = [*vars(metrics).values(), *vars(metrics.shape).values()]
+    for value in values:
         if getattr(value, "_name", None) in (family_name, family_name.removesuffix("_total")):
             return tuple(value._labelnames)
     raise AssertionError(family_name)

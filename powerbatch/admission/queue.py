@@ -90,6 +90,9 @@ class AdmissionQueue:
         waits.update(max_wait_s or {})
         self.max_wait_s = waits
         self.valley_fill = valley_fill
+        # With valley filling, what the controller's shape laws say of deferrable work:
+        # default (keep the reserve), hold (wait while anything runs), release (no reserve).
+        self.deferrable = "default"
         self.fill_reserve_frac = fill_reserve_frac
         self.prefill_burst_s = prefill_burst_s
         self._clock = clock
@@ -120,6 +123,12 @@ class AdmissionQueue:
     def set_limits(self, limits: Limits) -> None:
         self.limits = limits
         self._dispatch()
+
+    def set_deferrable(self, mode: str) -> None:
+        """default | hold | release (see powerbatch.control.controller.DEFERRABLE_MODES)."""
+        if mode != self.deferrable:
+            self.deferrable = mode
+            self._dispatch()
 
     async def admit(self, priority: str, kv_tokens: int, prefill_tokens: int) -> Slot:
         """Wait for a slot; raise Rejected when the request cannot be served in time."""
@@ -205,7 +214,10 @@ class AdmissionQueue:
         if priority == PRIORITIES[0]:
             allowed += lim.reserve_requests
         if self.valley_fill and priority == DEFERRABLE:
-            allowed -= math.ceil(self.fill_reserve_frac * lim.max_requests)
+            if self.deferrable == "hold" and self.in_flight:
+                return False
+            if self.deferrable != "release":
+                allowed -= math.ceil(self.fill_reserve_frac * lim.max_requests)
         if self.in_flight >= max(allowed, 1):
             return False
         # One request always fits an empty upstream, however large, so nothing starves.

@@ -24,12 +24,14 @@ from powerbatch.cli.extras import require_cli_extra
 from powerbatch.cli.report import RunData, plot_runs, plot_summary, summarize
 from powerbatch.cli.stack import Stack
 from powerbatch.load import PROFILES, LoadProfile, run_load
+from powerbatch.shape import bench as shape_bench
+from powerbatch.shape.bench import SHAPE_ARMS
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-ARMS = ("none", "hwcap", "static", "admission", "powerbatch")
-PROXIED = ("admission", "powerbatch")
+ARMS = ("none", "hwcap", "static", "admission", "powerbatch")  # the default comparison
+PROXIED = ("admission", "powerbatch", *SHAPE_ARMS)
 DEFAULT_CEILING_W = 600.0
 
 
@@ -54,6 +56,7 @@ def add_common(p: argparse.ArgumentParser, duration_s: float) -> None:
         default=None,
         help="override the proxy's prefill pacing default",
     )
+    shape_bench.add_args(p)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -129,10 +132,11 @@ async def run_arm(
     if arm == "static":
         sim_args += ["--max-num-seqs", str(static_batch)]
     plan = profile.plan(a.duration_s, a.seed)
+    extra = SHAPE_ARMS[arm](a) if arm in SHAPE_ARMS else []
     async with Stack(
         log_dir / arm,
         sim_args=sim_args,
-        proxy_args=proxy_args(a),
+        proxy_args=proxy_args(a) + extra,
         with_proxy=arm in PROXIED,
         limiter=arm == "powerbatch",
     ) as stack:
@@ -206,6 +210,8 @@ def table(results: dict[str, dict[str, Any]], console: Console, title: str) -> N
     row("goodput, req/s in SLO", "goodput_rps", ".2f")
     row("429 answers", "http_429", ".0f")
     row("503 answers", "http_503", ".0f")
+    for label, key, spec in shape_bench.ROWS:
+        row(label, key, spec)
     for p in ("high", "normal", "low"):
         cells = [_fmt(agg["latency"][p]["ttft_p95_s"], ".2f") for agg in results.values()]
         t.add_row(f"p95 TTFT {p}, s", *cells)
@@ -242,7 +248,7 @@ async def _bench(a: argparse.Namespace) -> int:
 
     console = Console()
     arms = [x.strip() for x in a.arms.split(",") if x.strip()]
-    unknown = set(arms) - set(ARMS)
+    unknown = set(arms) - set(ARMS) - set(SHAPE_ARMS)
     if unknown:
         console.print(f"[red]unknown arms: {', '.join(sorted(unknown))}")
         return 2
@@ -270,6 +276,7 @@ async def _bench(a: argparse.Namespace) -> int:
             args = argparse.Namespace(**{**vars(a), "seed": a.seed + rep})
             run = await run_arm(arm, args, profile, a.out / "logs", static_batch=static_batch)
             s = summarize(run, a.ttft_slo_s, a.tpot_slo_s)
+            s.update(shape_bench.figures(run, a))
             per_arm[arm].append(s)
             console.print(
                 f"    above ceiling {100 * (s['frac_above_ceiling'] or 0):.2f}%  "
@@ -297,6 +304,9 @@ async def _bench(a: argparse.Namespace) -> int:
     )
     png = plot_runs(first_runs, a.out / "power.png", title)
     summary_png = plot_summary(per_arm, a.ceiling_w, a.out / "summary.png", title)
+    shaped = [r for r in first_runs if r.arm in SHAPE_ARMS]
+    if shaped:
+        shape_bench.plot_plan(shaped, a.out / "plan.png", title)
     console.print(f"wrote {a.out / 'results.json'}, {png} and {summary_png}")
     return 0
 

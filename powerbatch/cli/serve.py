@@ -18,6 +18,7 @@ from powerbatch.control.loop import open_trace
 from powerbatch.errors import ConfigError, PowerbatchError, TelemetryError
 from powerbatch.proxy import Governor, ProxyMetrics, create_app
 from powerbatch.proxy.app import create_admin_app
+from powerbatch.shape.runner import plan_runner
 from powerbatch.telemetry import (
     NvmlPowerLimiter,
     NvmlPowerSource,
@@ -163,7 +164,7 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
     max_w = prior_max_w(cfg.max_w, device_max_w(s, kind), cfg.ceiling_w)
     if max_w != cfg.max_w:
         cfg = dataclasses.replace(cfg, max_w=max_w)
-    controller = Controller(cfg)
+    controller = Controller(cfg, shape=s.shape)
     initial = Limits(cfg.initial_batch, cfg.max_kv_tokens, None)
     if cfg.mode == "observe":
         initial = Limits(cfg.max_batch, cfg.max_kv_tokens, None)
@@ -190,6 +191,7 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
         source_averages=averaged,
         trace=open_trace(s.trace),
         actuator=make_actuator(s.limiter, s.power.gpu_indices()),
+        plan=plan_runner(s.shape, controller, queue),
     )
     return create_app(gov, s.proxy), gov
 

@@ -16,6 +16,7 @@ from powerbatch.control.config import ControlConfig, TraceSettings
 from powerbatch.errors import ConfigError
 from powerbatch.proxy.settings import ProxySettings
 from powerbatch.settings import Surface, setting
+from powerbatch.shape.settings import ShapeSettings
 from powerbatch.telemetry.settings import LimiterSettings, PowerSettings
 
 
@@ -29,6 +30,7 @@ class ServeSettings:
     admission: AdmissionSettings
     trace: TraceSettings = field(default_factory=TraceSettings)
     limiter: LimiterSettings = field(default_factory=LimiterSettings)
+    shape: ShapeSettings = field(default_factory=ShapeSettings)
     hardware_backstop: bool = setting(
         False,
         "also set the GPUs' NVML power limit to the ceiling, restored on exit (needs nvml, root)",

@@ -21,6 +21,15 @@ rises while it is violated and decays while it is slack. Concretely:
   demand against `limit × (1 + throttle_allowance)`, and λ_power rises only on a breach of the
   ceiling itself. A limiter that fails (degraded) hands the ceiling back to admission alone.
 * the ceiling itself may move each tick (`Observation.ceiling_w`: a fleet budget's share).
+* shape (`ShapeSettings`, off unless set): the grid wants slow ramps and a floor. Growth is
+  capped where the model's predicted increment over the batch of the last second reaches
+  `ramp_up × 1 s` (and held while the meter already rose that much in a second); a step down is
+  bounded where the model's predicted decrement reaches `ramp_down × 1 s`, unless measured power
+  is over `ceiling - margin` (the ceiling always wins). Deferrable (low-class) work is released
+  to hold `floor_w` or to slow a fall faster than half of `ramp_down`. A plan
+  (`Observation.plan_w`, see powerbatch.shape.planner) stops growth at the planned power, holds
+  deferrable work above it and releases it below. It does not lower the target: a plan one
+  ramp from the meter, used as a target, stepped interactive work down on every noisy second.
 
 Variance is kept low by bounded steps up, a dead band (hysteresis) between growing and shrinking,
 a batch that leads recent demand by a bounded factor (so a burst ramps in instead of landing at
@@ -42,6 +51,7 @@ from powerbatch.control.config import ControlConfig
 from powerbatch.control.latency import LatencySnapshot
 from powerbatch.estimate import Features, PowerModel, PowerPrior
 from powerbatch.estimate.features import design_ray
+from powerbatch.shape.settings import ShapeSettings
 
 CONSTRAINTS: tuple[str, ...] = ("power", "latency", "kv")
 BINDINGS: tuple[str, ...] = (
@@ -53,7 +63,9 @@ BINDINGS: tuple[str, ...] = (
     "demand",
     "sensor",
     "warmup",
+    "ramp",
 )
+DEFERRABLE_MODES: tuple[str, ...] = ("default", "hold", "release")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +95,8 @@ class Observation:
     kv_cache_usage: float | None = None  # upstream's, 0..1
     ceiling_w: float | None = None  # this tick's ceiling (a fleet share); None: the configured
     power_limit_w: float | None = None  # device limit in force; None: no limiter, or degraded
+    queued_deferrable: int = 0  # low-class requests waiting (they can fill a floor)
+    plan_w: float | None = None  # the shape planner's power for this second; None: no plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +116,7 @@ class Decision:
     ceiling_w: float = math.nan  # the ceiling this decision held
     power_limit_w: float | None = None  # the device limit to set (a limiter applies it)
     capped: bool = False  # a device limit in force held the ceiling this tick
+    deferrable: str = "default"  # one of DEFERRABLE_MODES: what admission does with low work
 
 
 @functools.lru_cache(maxsize=256)
@@ -113,8 +128,14 @@ def stats_t_quantile(confidence: float, df: int) -> float:
 class Controller:
     """Stateful across ticks; call `tick` at `config.tick_hz` with the latest observation."""
 
-    def __init__(self, config: ControlConfig, model: PowerModel | None = None) -> None:
+    def __init__(
+        self,
+        config: ControlConfig,
+        model: PowerModel | None = None,
+        shape: ShapeSettings | None = None,
+    ) -> None:
         self.config = config
+        self.shape = shape or ShapeSettings()
         self.model = model or PowerModel(
             PowerPrior.from_ceiling(config.ceiling_w, config.max_batch, config.max_w),
             window=config.model_window,
@@ -134,10 +155,16 @@ class Controller:
         self._cut_until_s = -math.inf
         self._recent_power: deque[tuple[float, float]] = deque()
         self._bias_w = 0.0  # measured less modelled power at the batch in flight (EWMA)
+        self._recent_flight: deque[tuple[float, int]] = deque()  # in flight, for the ramps
         self._good_since_s: float | None = None
         self._failed_before = False
         self._grid = np.arange(config.min_batch, config.max_batch + 1, dtype=float)
         self.last: Decision | None = None
+
+    def power_curve(self) -> np.ndarray:
+        """The model's mean watts at each batch, min to max, at the learned request shape:
+        what the shape planner turns a forecast batch into."""
+        return self.model.predict_design(design_ray(self._shape, self._grid)).mean_w
 
     # -- pieces of the decision ---------------------------------------------------------------
 
@@ -304,6 +331,67 @@ class Controller:
         """The KV cap holds work back: it is shrunk by the KV multiplier, or nearly full."""
         return self._lambda["kv"] > 0.0 or kv_tokens_in_flight >= 0.9 * kv_limit
 
+    def _second_ago(self, t_s: float, in_flight: int) -> tuple[float | None, int]:
+        """The 1-second power and the batch in flight a second before `t_s` (a ramp's origin)."""
+        flight = self._recent_flight
+        flight.append((t_s, in_flight))
+        while len(flight) > 1 and flight[1][0] <= t_s - 1.0 + 1e-9:
+            flight.popleft()
+        batch = flight[0][1] if flight[0][0] <= t_s - 1.0 + 1e-9 else min(n for _, n in flight)
+        for t, w in self._recent_power:
+            if t >= t_s - 1.0 - 1e-9:
+                return (w if t <= t_s - 0.5 else None), batch
+        return None, batch
+
+    def _shape_bounds(
+        self, obs: Observation, power_w: float, in_flight: int, current: int, mean_w: np.ndarray
+    ) -> tuple[int, int, str]:
+        """Ramp and floor: the batch range the ramps allow this tick, and deferrable work's mode.
+
+        The grid limits how fast the site's power moves, so the batch in flight may exceed the
+        batch in flight a second ago only by what the model predicts a second's ramp buys
+        (at least one request, so an unlearnt slope cannot pin the batch); if that holds at
+        every instant, 1-second power rises no faster than the ramp either. The meter's own
+        rise over the last second stops growth outright (likewise a fall near the limit stops
+        a step down: the model's slope is least known at the small batches a fall ends in).
+        Low-class work waiting is the one load that may be moved in time: it is released to hold
+        the floor and to slow a fall, held above a plan and released under it.
+        """
+        cfg, sh = self.config, self.shape
+        lo, hi = cfg.min_batch, cfg.max_batch
+        before_w, base = self._second_ago(obs.t_s, in_flight)
+        base = min(max(base, lo), hi)
+        delta_w = mean_w - mean_w[base - lo]
+        up, down = hi, lo
+        rise_w = power_w - before_w if before_w is not None else 0.0
+        if sh.ramp_up is not None:
+            ok = np.nonzero(delta_w <= sh.ramp_up)[0]
+            up = max(int(self._grid[ok[-1]]) if len(ok) else lo, base + 1)
+            if rise_w >= sh.ramp_up:
+                up = min(up, current)
+        if obs.plan_w is not None:
+            # Grow only into the plan's headroom (stepping down stays the power law's).
+            fits = np.nonzero(delta_w <= obs.plan_w - power_w)[0]
+            up = min(up, max(int(self._grid[fits[-1]]) if len(fits) else lo, min(base, current)))
+        if sh.ramp_down is not None:
+            ok = np.nonzero(delta_w >= -sh.ramp_down)[0]
+            down = int(self._grid[ok[0]]) if len(ok) else lo
+            # Nor more requests than a second's ramp buys at the mean watts per request (an
+            # upper bound on the marginal watts of a concave curve with an idle floor).
+            per_request_w = power_w / max(base, 1)
+            down = max(down, base - math.floor(sh.ramp_down / per_request_w))
+            if -rise_w >= 0.75 * sh.ramp_down:  # the meter says it is falling about that fast
+                down = max(down, current)
+        mode = "default"
+        waiting = obs.queued_deferrable > 0
+        if obs.plan_w is not None:
+            mode = "hold" if power_w > obs.plan_w else "release"
+        if waiting and sh.floor_w is not None and power_w < sh.floor_w:
+            mode = "release"
+        if waiting and sh.ramp_down is not None and -rise_w > 0.5 * sh.ramp_down:
+            mode = "release"
+        return up, down, mode
+
     # -- the tick -----------------------------------------------------------------------------
 
     def tick(self, obs: Observation) -> Decision:
@@ -423,6 +511,14 @@ class Controller:
             new = cap
         else:
             new = cap if cap < current else min(cap, current + step)
+        ramp_up, ramp_down, deferrable = self._shape_bounds(
+            obs, power_w, in_flight, current, pred.mean_w
+        )
+        if not breach and not warming:
+            if new > ramp_up and new > current:
+                new, binding = max(current, ramp_up), "ramp"
+            if new < current and power_w <= goal_w and ramp_down > new:
+                new, binding = min(current, ramp_down), "ramp"
         self._batch = max(cfg.min_batch, min(new, cfg.max_batch))
         kv_limit = self._kv_limit(self._batch)
 
@@ -458,6 +554,7 @@ class Controller:
             emergency=emergency,
             capped=capped,
             reason=self._explain(binding, emergency, obs, ceiling_w, capped),
+            deferrable=deferrable,
         )
 
     def _explain(
@@ -483,6 +580,7 @@ class Controller:
             "none": "demand is below every limit",
             "demand": "batch follows demand",
             "warmup": "silent warm-up: learning the plant at the initial batch",
+            "ramp": "the grid's ramp limit paces the batch",
         }.get(binding, binding)
 
     def _decide(
@@ -498,6 +596,7 @@ class Controller:
         emergency: bool = False,
         capped: bool = False,
         reason: str = "",
+        deferrable: str = "default",
     ) -> Decision:
         cfg = self.config
         ceiling_w = obs.ceiling_w if obs.ceiling_w is not None else cfg.ceiling_w
@@ -523,6 +622,7 @@ class Controller:
             ceiling_w=ceiling_w,
             power_limit_w=limit_w,
             capped=capped,
+            deferrable=deferrable,
         )
         self.last = decision
         return decision

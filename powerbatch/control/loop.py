@@ -23,6 +23,7 @@ from powerbatch.control.controller import Controller, Decision, Limits, Observat
 from powerbatch.control.latency import LatencySnapshot
 from powerbatch.control.metrics import ControlMetrics
 from powerbatch.estimate import Features
+from powerbatch.shape.tracker import ShapeTracker
 from powerbatch.telemetry.limiter import LimitActuator
 from powerbatch.telemetry.monitor import PowerMonitor, PowerReading
 from powerbatch.telemetry.trace import TraceRow, TraceWriter
@@ -40,6 +41,7 @@ class HostSample:
     prefill_tokens_total: float
     decode_tokens_total: float
     kv_cache_usage: float | None = None  # the engine's KV-cache usage, 0..1, where known
+    queued_deferrable: int = 0  # low-class requests waiting (the shape floor's reserve)
 
 
 class FeatureSource(Protocol):
@@ -70,6 +72,16 @@ class CeilingSource(Protocol):
         ...
 
 
+class PlanSource(Protocol):
+    """The shape planner (powerbatch.shape.runner): planned power, solved off the tick."""
+
+    def plan_w(self, t_s: float) -> float | None: ...
+
+    def summary(self) -> dict[str, Any]: ...
+
+    async def run_forever(self) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class TickRecord:
     """One tick: what `/history`, the trace and the demo's plots are made of.
@@ -95,6 +107,7 @@ class TickRecord:
     binding: str
     state: str
     features: Features
+    plan_w: float | None = None  # the shape planner's power for this second
 
     def as_dict(self) -> dict[str, Any]:
         """Flat and strict-JSON-safe (non-finite numbers become None)."""
@@ -218,8 +231,12 @@ class ControlLoop:
         clock: Callable[[], float] = time.monotonic,
         ceiling: CeilingSource | None = None,
         actuator: LimitActuator | None = None,
+        plan: PlanSource | None = None,
     ) -> None:
         self.controller = controller
+        self.plan = plan
+        self._plan_task: asyncio.Task[None] | None = None
+        self.shape = ShapeTracker(controller.shape, metrics.shape)
         self.ceiling = ceiling
         # The device power limit: a second, fast actuator; None or NoLimiter: admission alone.
         self.actuator = actuator if actuator and actuator.limiter.controls_device else None
@@ -290,14 +307,17 @@ class ControlLoop:
         await self.monitor.start()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self.run(), name="powerbatch-control")
+        if self.plan is not None and (self._plan_task is None or self._plan_task.done()):
+            self._plan_task = asyncio.create_task(self.plan.run_forever(), name="powerbatch-plan")
 
     async def stop(self) -> None:
         """Stop ticking and polling and flush the trace; the power source is left to its owner."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        for task in (self._plan_task, self._task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._plan_task = None
         await self.monitor.stop()
         if self.trace is not None:
             self.trace.close()
@@ -355,6 +375,7 @@ class ControlLoop:
             t_s, host.in_flight, host.kv_tokens, host.prefill_tokens_total, host.decode_tokens_total
         )
         latency = self.features.latency(t_s)
+        plan_w = self.plan.plan_w(t_s) if self.plan is not None else None
         obs = Observation(
             t_s=t_s,
             power_w=self.power_w(reading),
@@ -367,8 +388,13 @@ class ControlLoop:
             kv_cache_usage=host.kv_cache_usage,
             ceiling_w=self.ceiling.ceiling_w(t_s) if self.ceiling is not None else None,
             power_limit_w=self._limit_in_force_w(),
+            queued_deferrable=host.queued_deferrable,
+            plan_w=plan_w,
         )
         d = self.controller.tick(obs)
+        self.shape.observe(d, plan_w, host.queued_deferrable)
+        if self.plan is not None:
+            self.shape.note_plan(self.plan.summary())
         for sink in self.sinks:
             sink.apply(d)
         self._apply_limit(d.power_limit_w)
@@ -395,6 +421,7 @@ class ControlLoop:
             binding=d.binding,
             state=d.state,
             features=features,
+            plan_w=plan_w,
         )
         self.history.append(record)
         if self.trace is not None:
@@ -523,6 +550,7 @@ class ControlLoop:
             },
             "model": dict(self._model),
             "power_limit": self.actuator.status() if self.actuator is not None else None,
+            "shape": self.shape.status(),
         }
         for key, section in self.features.status_extra().items():
             if isinstance(doc.get(key), dict) and isinstance(section, dict):

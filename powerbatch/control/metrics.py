@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from powerbatch.control.controller import BINDINGS, CONSTRAINTS, Decision
 from powerbatch.control.latency import LatencySnapshot
+from powerbatch.shape.tracker import ShapeMetrics
 
 STATES: tuple[str, ...] = ("starting", "warmup", "enforce", "observe", "fail_closed")
 
@@ -123,6 +124,7 @@ class ControlMetrics:
             "1 once a good power reading has been had and the sensor is good now",
             registry=r,
         )
+        self.shape = ShapeMetrics(r)  # powerbatch_shape_*: ramps, floor, plan (powerbatch.shape)
         for name in ("batch", "kv_tokens", "prefill_tok_s", "decode_tok_s"):
             self.feature.labels(name)
         for c in CONSTRAINTS:

@@ -114,4 +114,20 @@ def steady(rate_rps: float = 8.0) -> LoadProfile:
     return LoadProfile("steady", (Phase(60.0, rate_rps),))
 
 
-PROFILES: dict[str, Callable[[], LoadProfile]] = {"bursty": bursty, "steady": steady}
+def diurnal(cycle_s: float = 60.0) -> LoadProfile:
+    """A day compressed into `cycle_s`: night trough, morning ramp, midday peak, evening fall,
+    with half the requests deferrable (low class), as batch work in a shared cluster is."""
+    rates = (2.0, 4.0, 8.0, 12.0, 12.0, 9.0, 5.0, 2.0)
+    step_s = cycle_s / len(rates)
+    return LoadProfile(
+        "diurnal",
+        tuple(Phase(step_s, r) for r in rates),
+        priority_mix={"high": 0.2, "normal": 0.3, "low": 0.5},
+    )
+
+
+PROFILES: dict[str, Callable[[], LoadProfile]] = {
+    "bursty": bursty,
+    "steady": steady,
+    "diurnal": diurnal,
+}

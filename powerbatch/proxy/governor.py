@@ -15,8 +15,16 @@ from collections import deque
 from typing import Any
 
 from powerbatch.admission import PRIORITIES, AdmissionQueue
+from powerbatch.admission.priority import DEFERRABLE
 from powerbatch.control import Controller, Decision, LatencySnapshot, LatencyWindow, Limits
-from powerbatch.control.loop import CeilingSource, ControlLoop, HostSample, LimitsSink, TickRecord
+from powerbatch.control.loop import (
+    CeilingSource,
+    ControlLoop,
+    HostSample,
+    LimitsSink,
+    PlanSource,
+    TickRecord,
+)
 from powerbatch.proxy.metrics import ProxyMetrics
 from powerbatch.telemetry import PowerMonitor, UpstreamMetricsScraper, UpstreamSignals
 from powerbatch.telemetry.limiter import LimitActuator
@@ -37,8 +45,10 @@ class AdmissionSink:
     def apply(self, decision: Decision) -> None:
         if decision.enforced != self.queue.limits:
             self.queue.set_limits(decision.enforced)
+        self.queue.set_deferrable(decision.deferrable)
 
     def fail_safe(self) -> None:
+        self.queue.set_deferrable("default")
         cfg, limits = self.config, self.queue.limits
         if cfg.mode == "enforce" and limits.max_requests > cfg.safe_batch:
             self.queue.set_limits(Limits(cfg.safe_batch, limits.max_kv_tokens, None))
@@ -78,6 +88,7 @@ class ProxyFeatures:
             prefill_tokens_total=float(q.stats.prefill_tokens_admitted_total),
             decode_tokens_total=float(self.output_tokens_total),
             kv_cache_usage=self.upstream.kv_cache_usage if self.upstream else None,
+            queued_deferrable=q.queued_by_class().get(DEFERRABLE, 0),
         )
 
     def latency(self, t_s: float) -> LatencySnapshot:
@@ -136,6 +147,7 @@ class Governor:
         extra_sinks: tuple[LimitsSink, ...] = (),
         actuator: LimitActuator | None = None,
         ceiling: CeilingSource | None = None,
+        plan: PlanSource | None = None,
     ) -> None:
         self.controller = controller
         self.queue = queue
@@ -159,6 +171,7 @@ class Governor:
             trace=trace,
             actuator=actuator,
             ceiling=ceiling,
+            plan=plan,
         )
         self._scrape_task: asyncio.Task[None] | None = None
 

@@ -19,6 +19,7 @@ from powerbatch.control.config import TraceSettings
 from powerbatch.errors import ConfigError
 from powerbatch.settings import Surface, check_bounds, load, setting
 from powerbatch.settings import reference_markdown as _reference
+from powerbatch.shape.settings import ShapeSettings
 from powerbatch.telemetry.settings import LimiterSettings, PowerSettings
 
 ENV_PREFIX = "POWERBATCH_VLLM_"
@@ -54,6 +55,7 @@ class PluginConfig:
     engine: EngineSettings = dataclasses.field(default_factory=EngineSettings)
     trace: TraceSettings = dataclasses.field(default_factory=TraceSettings)
     limiter: LimiterSettings = dataclasses.field(default_factory=LimiterSettings)
+    shape: ShapeSettings = dataclasses.field(default_factory=ShapeSettings)
 
     def __post_init__(self) -> None:
         self.power.check_ceiling(self.control.ceiling_w)

@@ -211,7 +211,7 @@ class ControlThread:
             max_kv_tokens=caps.kv_tokens,
             device_max_w=device_max_w,
         )
-        self.controller = Controller(self.control)
+        self.controller = Controller(self.control, shape=cfg.shape)
         self.source = source or make_power_source(cfg, self.kind, caps, stats)
         self.monitor = PowerMonitor(
             self.source,

@@ -1,0 +1,148 @@
+"""What the shape laws achieved, second by second: ramp violations, floor shortfall, plan vs meter.
+
+Counted on whole seconds of the 1-second power the controller acts on (the quantity a ramp
+limit is written in), so one slow ramp is one violation per second, not one per tick.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from powerbatch.control.controller import DEFERRABLE_MODES, Decision
+from powerbatch.shape.settings import ShapeSettings
+
+
+class ShapeMetrics:
+    """`powerbatch_shape_*`, on the controller's registry."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.ramp_violations = Counter(
+            "powerbatch_shape_ramp_violations",
+            "Seconds whose 1-second power moved more than the ramp limit, by direction",
+            ["direction"],
+            registry=r,
+        )
+        self.largest_ramp = Gauge(
+            "powerbatch_shape_largest_ramp_watts_per_second",
+            "Largest change of 1-second power in one second since start, by direction",
+            ["direction"],
+            registry=r,
+        )
+        self.floor_shortfall_w = Gauge(
+            "powerbatch_shape_floor_shortfall_watts",
+            "Floor less 1-second power while deferrable work waits (0 otherwise)",
+            registry=r,
+        )
+        self.floor_shortfall_s = Counter(
+            "powerbatch_shape_floor_shortfall_seconds",
+            "Seconds under the floor while deferrable work waited",
+            registry=r,
+        )
+        self.power_w = Gauge(
+            "powerbatch_shape_power_watts",
+            "Planned and measured 1-second power",
+            ["kind"],
+            registry=r,
+        )
+        self.plan_solve_s = Gauge(
+            "powerbatch_shape_plan_solve_seconds", "Time the last plan took to solve", registry=r
+        )
+        self.deferrable = Gauge(
+            "powerbatch_shape_deferrable_mode",
+            "1 for what admission does with deferrable work now",
+            ["mode"],
+            registry=r,
+        )
+        for d in ("up", "down"):
+            self.ramp_violations.labels(d)
+            self.largest_ramp.labels(d).set(0.0)
+        for k in ("planned", "measured"):
+            self.power_w.labels(k).set(math.nan)
+        for m in DEFERRABLE_MODES:
+            self.deferrable.labels(m).set(1.0 if m == "default" else 0.0)
+        self.plan_solve_s.set(math.nan)
+
+
+class ShapeTracker:
+    """Per-second accounting of the shape laws, for /status and the metrics."""
+
+    def __init__(self, settings: ShapeSettings, metrics: ShapeMetrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self._second: int | None = None
+        self._last_w: float | None = None
+        self.violations = {"up": 0, "down": 0}
+        self.largest = {"up": 0.0, "down": 0.0}
+        self.shortfall_w = 0.0
+        self.shortfall_s = 0
+        self.planned_w: float | None = None
+        self.measured_w: float | None = None
+        self.deferrable = "default"
+        self.plan: dict[str, Any] | None = None
+
+    def observe(self, d: Decision, plan_w: float | None, queued_deferrable: int) -> None:
+        self.planned_w, self.deferrable = plan_w, d.deferrable
+        m = self.metrics
+        if m is not None:
+            m.power_w.labels("planned").set(math.nan if plan_w is None else plan_w)
+            for mode in DEFERRABLE_MODES:
+                m.deferrable.labels(mode).set(1.0 if mode == d.deferrable else 0.0)
+        second = math.floor(d.t_s)
+        if second == self._second:
+            return
+        self._second = second
+        power_w = d.power_w
+        if power_w is None or not math.isfinite(power_w):
+            self._last_w = None
+            return
+        self.measured_w = power_w
+        sh = self.settings
+        if self._last_w is not None:
+            change = power_w - self._last_w
+            direction = "up" if change > 0 else "down"
+            self.largest[direction] = max(self.largest[direction], abs(change))
+            limit = sh.ramp_up if direction == "up" else sh.ramp_down
+            over = limit is not None and abs(change) > limit
+            if over:
+                self.violations[direction] += 1
+            if m is not None:
+                m.largest_ramp.labels(direction).set(self.largest[direction])
+                if over:
+                    m.ramp_violations.labels(direction).inc()
+        self._last_w = power_w
+        short = 0.0
+        if sh.floor_w is not None and queued_deferrable > 0:
+            short = max(sh.floor_w - power_w, 0.0)
+        self.shortfall_w = short
+        if short > 0:
+            self.shortfall_s += 1
+        if m is not None:
+            m.power_w.labels("measured").set(power_w)
+            m.floor_shortfall_w.set(short)
+            if short > 0:
+                m.floor_shortfall_s.inc()
+
+    def note_plan(self, summary: dict[str, Any]) -> None:
+        self.plan = summary
+        if self.metrics is not None and summary.get("solve_s") is not None:
+            self.metrics.plan_solve_s.set(summary["solve_s"])
+
+    def status(self) -> dict[str, Any]:
+        sh = self.settings
+        return {
+            "ramp_up_w_per_s": sh.ramp_up,
+            "ramp_down_w_per_s": sh.ramp_down,
+            "floor_w": sh.floor_w,
+            "planner": sh.planner,
+            "ramp_violations": dict(self.violations),
+            "largest_ramp_w_per_s": dict(self.largest),
+            "floor_shortfall_w": self.shortfall_w,
+            "floor_shortfall_s": self.shortfall_s,
+            "planned_w": self.planned_w,
+            "measured_w": self.measured_w,
+            "deferrable": self.deferrable,
+            "plan": self.plan,
+        }
