@@ -239,3 +239,51 @@ def test_redis_killed_members_keep_leases_then_safe_shares_then_recover(
             assert fleet.max_total_w() <= BUDGET_W + 1e-6
 
     run(body)
+
+
+def test_lua_raises_only_from_confirmed_watts_and_only_for_the_leader(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """The scripts alone, step by step: B's lower share frees watts for A only once B has
+    confirmed it is using no more than that."""
+    from powerbatch.fleet import scripts
+
+    async def body() -> None:
+        r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        p = scripts.prefix("lua")
+        ttl_ms = 10_000
+
+        async def renew(mid: str, using: float) -> float:
+            reply = await r.eval(scripts.RENEW, 1, p, mid, ttl_ms, using, 250.0, 1000.0)
+            return float(reply[0])
+
+        async def allocate(leader: str, **targets: float) -> list[str]:
+            args: list[Any] = [leader, ttl_ms, 1000.0]
+            for k, v in targets.items():
+                args += [k, v]
+            return list(await r.eval(scripts.ALLOCATE, 1, p, *args))
+
+        async def grant(mid: str) -> float:
+            return float(await r.hget(f"{p}:m:{mid}", "grant") or 0)
+
+        try:
+            assert await renew("a", 0.0) == 250.0  # joins with its safe share
+            assert await renew("b", 0.0) == 250.0
+            await r.hset(f"{p}:state", "fresh_until_ms", 0)  # past the fresh-state hold
+            await r.set(f"{p}:leader", "a")
+            assert await allocate("b", a=800.0, b=200.0) == ["-1"]  # not the leader: no write
+            await allocate("a", a=800.0, b=200.0)
+            assert await grant("b") == 200.0  # lowered at once
+            assert await grant("a") == 750.0  # raised only from the pool: b may still use 250
+            assert await held_total_w(redis_server.url, "lua") <= 1000.0
+            await renew("b", 250.0)  # b renews while still on 250: nothing freed
+            await allocate("a", a=800.0, b=200.0)
+            assert await grant("a") == 750.0
+            await renew("b", 200.0)  # b confirms 200
+            await allocate("a", a=800.0, b=200.0)
+            assert await grant("a") == 800.0
+            assert await held_total_w(redis_server.url, "lua") <= 1000.0
+        finally:
+            await r.aclose()
+
+    run(body)
