@@ -287,3 +287,27 @@ def test_lua_raises_only_from_confirmed_watts_and_only_for_the_leader(
             await r.aclose()
 
     run(body)
+
+
+def test_serve_build_makes_the_member_the_loops_ceiling_and_status_shows_it() -> None:
+    from powerbatch.cli.serve import build
+    from powerbatch.cli.settings import SERVE
+    from powerbatch.settings import load
+
+    overrides = {
+        "ceiling_w": 500,
+        "upstream": "http://127.0.0.1:9",
+        "port": 8123,
+        "fleet_budget": "rack1",
+        "fleet_budget_w": 2000,
+    }
+    s = load(SERVE, environ={}, overrides=overrides)
+    _, gov = build(s, "dcgm")
+    member = gov.loop.ceiling
+    assert isinstance(member, FleetMember)
+    assert member.id.endswith(":8123")
+    fleet = gov.status()["fleet"]
+    assert fleet["budget"] == "rack1" and fleet["state"] == "starting"
+    assert member.ceiling_w(0.0) == 1.0  # nothing leased yet: the minimum, not the budget
+    _, plain = build(load(SERVE, environ={}, overrides={**overrides, "fleet_budget": None}), "dcgm")
+    assert plain.loop.ceiling is None and "fleet" not in plain.status()

@@ -16,6 +16,7 @@ from powerbatch.cli.settings import ServeSettings
 from powerbatch.control import Controller, Limits, prior_max_w
 from powerbatch.control.loop import open_trace
 from powerbatch.errors import ConfigError, PowerbatchError, TelemetryError
+from powerbatch.fleet import attach, join
 from powerbatch.proxy import Governor, ProxyMetrics, create_app
 from powerbatch.proxy.app import create_admin_app
 from powerbatch.telemetry import (
@@ -176,6 +177,7 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
     if s.proxy.upstream_metrics:
         scraper = UpstreamMetricsScraper(s.proxy.metrics_url)
     averaged = kind == "dcgm" and "INSTANT" not in s.power.dcgm_metric.upper()
+    member = join(s.fleet, s.proxy.port)  # None without --fleet-budget
     gov = Governor(
         controller,
         queue,
@@ -184,7 +186,9 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
         upstream_scraper=scraper,
         source_averages=averaged,
         trace=open_trace(s.trace),
+        ceiling=member,
     )
+    attach(member, gov.loop, queue.queued_by_class)
     return create_app(gov, s.proxy), gov
 
 

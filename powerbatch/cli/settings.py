@@ -14,6 +14,7 @@ from powerbatch.admission.priority import PRIORITIES
 from powerbatch.admission.settings import AdmissionSettings
 from powerbatch.control.config import ControlConfig, TraceSettings
 from powerbatch.errors import ConfigError
+from powerbatch.fleet.settings import FleetSettings
 from powerbatch.proxy.settings import ProxySettings
 from powerbatch.settings import Surface, setting
 from powerbatch.telemetry.settings import LimiterSettings, PowerSettings
@@ -29,6 +30,7 @@ class ServeSettings:
     admission: AdmissionSettings
     trace: TraceSettings = field(default_factory=TraceSettings)
     limiter: LimiterSettings = field(default_factory=LimiterSettings)
+    fleet: FleetSettings = field(default_factory=FleetSettings)
     hardware_backstop: bool = setting(
         False,
         "also set the GPUs' NVML power limit to the ceiling, restored on exit (needs nvml, root)",

@@ -1,7 +1,44 @@
 """One power budget over many powerbatch instances, leased through Redis (docs/fleet.md)."""
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from powerbatch.fleet.allocate import Bid, marginal_value, water_fill
 from powerbatch.fleet.member import FleetMember, MemberSignals
 from powerbatch.fleet.settings import FleetSettings
 
-__all__ = ["Bid", "FleetMember", "FleetSettings", "MemberSignals", "marginal_value", "water_fill"]
+if TYPE_CHECKING:
+    from powerbatch.control.loop import ControlLoop
+
+__all__ = [
+    "Bid",
+    "FleetMember",
+    "FleetSettings",
+    "MemberSignals",
+    "attach",
+    "join",
+    "marginal_value",
+    "water_fill",
+]
+
+
+def join(settings: FleetSettings, port: int | None = None) -> FleetMember | None:
+    """The member for these settings, or None when no budget is set (no fleet)."""
+    if settings.fleet_budget is None:
+        return None
+    return FleetMember(settings, settings.member_id(port))
+
+
+def attach(
+    member: FleetMember | None,
+    loop: ControlLoop,
+    queued_by_class: Callable[[], dict[str, int]] | None = None,
+) -> None:
+    """Bid from the host's control loop and export into its metrics registry."""
+    if member is None:
+        return
+    from powerbatch.fleet.signals import LoopSignals
+
+    member.attach(LoopSignals(loop, queued_by_class), loop.metrics.registry)

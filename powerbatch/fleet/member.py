@@ -177,6 +177,16 @@ class FleetMember:
             }
         }
 
+    def attach(
+        self,
+        signals: Callable[[], MemberSignals],
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        """Bind the host's bid and put the gauges in its registry (once the loop exists)."""
+        self.signals = signals
+        if registry is not None:
+            self.metrics = FleetMetrics(registry)
+
     # -- running ------------------------------------------------------------------------------
 
     def _ensure_started(self) -> None:
