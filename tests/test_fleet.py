@@ -94,7 +94,9 @@ class Fleet:
 
         def signals() -> MemberSignals:
             w = self.want[mid]
-            return MemberSignals(power_w=w, in_flight=int(w > 0), value_per_w=1.0 * (w > 0), want_w=w)
+            return MemberSignals(
+                power_w=w, in_flight=int(w > 0), value_per_w=1.0 * (w > 0), want_w=w
+            )
 
         return FleetMember(self.settings, mid, signals=signals)
 
