@@ -17,13 +17,13 @@ MEMBER = """
 import asyncio, sys
 from powerbatch.fleet import FleetMember, FleetSettings
 s = FleetSettings(fleet_budget="le", fleet_budget_w=500.0, fleet_redis_url=sys.argv[1],
-                  fleet_members=2, fleet_lease_ttl_s=%r, fleet_publish_interval_s=0.5)
+                  fleet_members=2, fleet_lease_ttl_s=TTL, fleet_publish_interval_s=0.5)
 async def main():
     m = FleetMember(s, sys.argv[2])
     await m.start()
     await asyncio.sleep(60)
 asyncio.run(main())
-""" % (TTL_S,)
+""".replace("TTL", repr(TTL_S))
 
 
 def test_leader_killed_the_other_process_takes_over_within_a_ttl(

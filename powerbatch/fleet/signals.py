@@ -49,9 +49,10 @@ class LoopSignals:
             want = model.predict_one(shape.scaled(float(demand)))[0]
             if demand > 0 and f.batch >= 1:
                 b = f.batch
-                slope = model.predict_one(shape.scaled(b + 1))[0] - model.predict_one(
-                    shape.scaled(b)
-                )[0]
+                slope = (
+                    model.predict_one(shape.scaled(b + 1))[0]
+                    - model.predict_one(shape.scaled(b))[0]
+                )
                 value = (f.decode_tok_s / b) / max(slope, MIN_SLOPE_W)
             elif demand > 0:  # queued but nothing running (held at the minimum): worth a lot
                 value = shape.decode_tok_s / MIN_SLOPE_W
