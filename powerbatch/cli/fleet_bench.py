@@ -102,6 +102,7 @@ async def _poll(
 
 async def run_arm(arm: str, a: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     n = a.members
+    log_dir.mkdir(parents=True, exist_ok=True)
     redis_port = free_port()
     redis_proc: subprocess.Popen[bytes] | None = None
 
