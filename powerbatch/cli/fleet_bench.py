@@ -102,7 +102,6 @@ async def _poll(
 
 async def run_arm(arm: str, a: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     n = a.members
-    log_dir.mkdir(parents=True, exist_ok=True)
     redis_port = free_port()
     redis_proc: subprocess.Popen[bytes] | None = None
 
@@ -318,6 +317,7 @@ async def _bench(a: argparse.Namespace) -> int:
     res: dict[str, Any] = {}
     for arm in [x.strip() for x in a.arms.split(",") if x.strip()]:
         print(f"arm {arm}: {a.members} servers x {a.duration_s:.0f} s", flush=True)
+        (a.out / "logs" / arm).mkdir(parents=True, exist_ok=True)
         res[arm] = await run_arm(arm, a, a.out / "logs" / arm)
         brief = {
             k: v for k, v in res[arm].items() if k not in ("total_w", "member_w", "status_rows")
