@@ -39,9 +39,23 @@ OPERATIONS = ROOT / "docs" / "operations.md"
 PROFILES: dict[str, set[str]] = {
     "sim": {"sim", "powerbatch", "prometheus", "grafana"},
     "gpu": {"vllm", "powerbatch-gpu", "dcgm-exporter", "prometheus-gpu", "grafana"},
+    "fleet": {
+        "redis-fleet",
+        "fleet-sim-0",
+        "fleet-sim-1",
+        "fleet-powerbatch-0",
+        "fleet-powerbatch-1",
+        "prometheus-fleet",
+    },
 }
 # Ports of services whose command does not say (the image's default).
-DEFAULT_PORTS = {"dcgm-exporter": 9400, "prometheus": 9090, "prometheus-gpu": 9090}
+DEFAULT_PORTS = {
+    "dcgm-exporter": 9400,
+    "prometheus": 9090,
+    "prometheus-gpu": 9090,
+    "prometheus-fleet": 9090,
+    "redis-fleet": 6379,
+}
 
 # ---- compose helpers -------------------------------------------------------------------------
 

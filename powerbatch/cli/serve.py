@@ -16,6 +16,7 @@ from powerbatch.cli.settings import ServeSettings
 from powerbatch.control import Controller, Limits, prior_max_w
 from powerbatch.control.loop import open_trace
 from powerbatch.errors import ConfigError, PowerbatchError, TelemetryError
+from powerbatch.fleet import attach, join
 from powerbatch.proxy import Governor, ProxyMetrics, create_app
 from powerbatch.proxy.app import create_admin_app
 from powerbatch.shape.runner import plan_runner
@@ -182,6 +183,7 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
     if s.proxy.upstream_metrics:
         scraper = UpstreamMetricsScraper(s.proxy.metrics_url)
     averaged = kind == "dcgm" and "INSTANT" not in s.power.dcgm_metric.upper()
+    member = join(s.fleet, s.proxy.port)  # None without --fleet-budget
     gov = Governor(
         controller,
         queue,
@@ -192,7 +194,9 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
         trace=open_trace(s.trace),
         actuator=make_actuator(s.limiter, s.power.gpu_indices()),
         plan=plan_runner(s.shape, controller, queue),
+        ceiling=member,
     )
+    attach(member, gov.loop, queue.queued_by_class)
     return create_app(gov, s.proxy), gov
 
 

@@ -14,6 +14,7 @@ from powerbatch.admission.priority import PRIORITIES
 from powerbatch.admission.settings import AdmissionSettings
 from powerbatch.control.config import ControlConfig, TraceSettings
 from powerbatch.errors import ConfigError
+from powerbatch.fleet.settings import FleetSettings
 from powerbatch.proxy.settings import ProxySettings
 from powerbatch.settings import Surface, setting
 from powerbatch.shape.settings import ShapeSettings
@@ -31,6 +32,7 @@ class ServeSettings:
     trace: TraceSettings = field(default_factory=TraceSettings)
     limiter: LimiterSettings = field(default_factory=LimiterSettings)
     shape: ShapeSettings = field(default_factory=ShapeSettings)
+    fleet: FleetSettings = field(default_factory=FleetSettings)
     hardware_backstop: bool = setting(
         False,
         "also set the GPUs' NVML power limit to the ceiling, restored on exit (needs nvml, root)",

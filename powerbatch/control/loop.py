@@ -552,7 +552,11 @@ class ControlLoop:
             "power_limit": self.actuator.status() if self.actuator is not None else None,
             "shape": self.shape.status(),
         }
-        for key, section in self.features.status_extra().items():
+        extra = self.features.status_extra()
+        ceiling_status = getattr(self.ceiling, "status_extra", None)
+        if ceiling_status is not None:  # a fleet member's `fleet` section
+            extra = {**extra, **ceiling_status()}
+        for key, section in extra.items():
             if isinstance(doc.get(key), dict) and isinstance(section, dict):
                 doc[key].update(section)
             else:

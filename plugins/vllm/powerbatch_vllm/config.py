@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from powerbatch.control import ControlConfig, prior_max_w
 from powerbatch.control.config import TraceSettings
 from powerbatch.errors import ConfigError
+from powerbatch.fleet.settings import FleetSettings
 from powerbatch.settings import Surface, check_bounds, load, setting
 from powerbatch.settings import reference_markdown as _reference
 from powerbatch.shape.settings import ShapeSettings
@@ -56,6 +57,7 @@ class PluginConfig:
     trace: TraceSettings = dataclasses.field(default_factory=TraceSettings)
     limiter: LimiterSettings = dataclasses.field(default_factory=LimiterSettings)
     shape: ShapeSettings = dataclasses.field(default_factory=ShapeSettings)
+    fleet: FleetSettings = dataclasses.field(default_factory=FleetSettings)
 
     def __post_init__(self) -> None:
         self.power.check_ceiling(self.control.ceiling_w)

@@ -19,6 +19,7 @@ from typing import Any
 from powerbatch.control import ControlConfig, Controller, Decision, LatencySnapshot
 from powerbatch.control.loop import ControlLoop, HostSample, open_trace
 from powerbatch.errors import ConfigError
+from powerbatch.fleet import attach, join
 from powerbatch.telemetry import (
     NvmlPowerSource,
     PowerMonitor,
@@ -227,6 +228,8 @@ class ControlThread:
         self.features = EngineFeatures(stats, caps, m, self.sink)
         # dcgm-exporter's DCGM_FI_DEV_POWER_USAGE is a 1-second mean; its INSTANT field is not.
         averaged = self.kind == "dcgm" and "INSTANT" not in cfg.power.dcgm_metric.upper()
+        # A fleet member's Redis task runs on this thread's loop, started by the first tick.
+        member = join(cfg.fleet, cfg.engine.metrics_port + dp_rank)
         self.loop = ControlLoop(
             self.controller,
             self.monitor,
@@ -239,7 +242,9 @@ class ControlThread:
             # Created here, started (crash recovery first) and used on the control thread's
             # own event loop, which owns its HTTP session.
             actuator=make_actuator(cfg.limiter, cfg.power.gpu_indices()),
+            ceiling=member,
         )
+        attach(member, self.loop)
         self.dp_rank = dp_rank
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

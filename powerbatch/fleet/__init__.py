@@ -1,0 +1,48 @@
+"""One power budget over many powerbatch instances, leased through Redis (docs/fleet.md).
+
+The member (and with it the Redis client) is imported only where a budget is configured, so
+an instance without a fleet, the vLLM plugin's EngineCore among them, never loads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from powerbatch.fleet.allocate import Bid, marginal_value, water_fill
+from powerbatch.fleet.settings import FleetSettings
+
+if TYPE_CHECKING:
+    from powerbatch.control.loop import ControlLoop
+    from powerbatch.fleet.member import FleetMember
+
+__all__ = [
+    "Bid",
+    "FleetSettings",
+    "attach",
+    "join",
+    "marginal_value",
+    "water_fill",
+]
+
+
+def join(settings: FleetSettings, port: int | None = None) -> FleetMember | None:
+    """The member for these settings, or None when no budget is set (no fleet)."""
+    if settings.fleet_budget is None:
+        return None
+    from powerbatch.fleet.member import FleetMember
+
+    return FleetMember(settings, settings.member_id(port))
+
+
+def attach(
+    member: FleetMember | None,
+    loop: ControlLoop,
+    queued_by_class: Callable[[], dict[str, int]] | None = None,
+) -> None:
+    """Bid from the host's control loop and export into its metrics registry."""
+    if member is None:
+        return
+    from powerbatch.fleet.signals import LoopSignals
+
+    member.attach(LoopSignals(loop, queued_by_class), loop.metrics.registry)

@@ -1,0 +1,167 @@
+"""The budget's state in Redis and the Lua scripts that change it, each atomically.
+
+Keys under `powerbatch:fleet:<budget>`:
+
+    :state       hash  budget_w, created_ms, fresh_until_ms, reallocations
+    :members     set   member ids
+    :m:<id>      hash  grant, held, expires_ms, lost, lost_since_ms, safe_w, and what the
+                       member publishes (power_w, value_per_w, want_w, min_w, max_w, demand...)
+    :leader      str   the allocator's id, with a PX lease
+
+`grant` is what the member may use once it has read it; `held` is an upper bound on what it may
+be using now (the old grant until it confirms a lower one). Invariant, kept by every script:
+the sum of `held` over live members plus `safe_w` over lost ones is at most `budget_w`; a raise
+is paid only from what is left. Times are Redis's own (TIME), so members' clocks never meet.
+The scripts name member keys from the prefix, so a Redis Cluster is out of scope (one shard).
+"""
+
+from __future__ import annotations
+
+# Shared by the scripts: the clock, the sweep of expired leases and the committed watts.
+_COMMON = """
+local p = KEYS[1]
+local st = p .. ':state'
+local set = p .. ':members'
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+local function num(x) return tonumber(x or '0') or 0 end
+
+local function init(budget, ttl)
+  if redis.call('EXISTS', st) == 0 then
+    -- No state: Redis is new or lost its data. For 2 TTL nobody is raised above the safe
+    -- share: members still on leases it never saw have fallen back by then.
+    redis.call('HSET', st, 'budget_w', budget, 'created_ms', now,
+               'fresh_until_ms', now + 2 * ttl, 'reallocations', 0)
+  end
+  return num(redis.call('HGET', st, 'budget_w')), num(redis.call('HGET', st, 'fresh_until_ms'))
+end
+
+-- Expired leases become lost (their grant is reclaimed, their safe share reserved for one
+-- more TTL, as the member may be alive and on it); lost ones a TTL old are forgotten.
+-- Returns the committed watts and the live member count.
+local function sweep(ttl, skip)
+  local committed, live = 0, 0
+  for _, id in ipairs(redis.call('SMEMBERS', set)) do
+    local key = p .. ':m:' .. id
+    local h = redis.call('HMGET', key, 'held', 'expires_ms', 'lost', 'safe_w')
+    if h[2] == false then
+      redis.call('SREM', set, id)
+    else
+      local exp = num(h[2])
+      local lost = h[3] == '1'
+      if not lost and exp < now then
+        redis.call('HSET', key, 'lost', 1, 'grant', 0, 'held', 0, 'lost_since_ms', exp)
+        lost = true
+      end
+      if lost and exp + ttl < now then
+        redis.call('DEL', key)
+        redis.call('SREM', set, id)
+      elseif id ~= skip then
+        if lost then committed = committed + num(h[4])
+        else committed = committed + num(h[1]); live = live + 1 end
+      end
+    end
+  end
+  return committed, live
+end
+"""
+
+# KEYS[1] prefix. ARGV: id, ttl_ms, using_w, safe_w, budget_w, then field, value pairs.
+# A renewal confirms: `held` drops to max(grant, using), `using` being what the member runs on
+# while this reply travels. A member with no live lease joins with at most its safe share,
+# paid from the pool. Returns grant, expires_ms, now_ms, fresh_until_ms, leader, live count.
+RENEW = (
+    _COMMON
+    + """
+local id, ttl = ARGV[1], tonumber(ARGV[2])
+local using, safe = tonumber(ARGV[3]), tonumber(ARGV[4])
+local budget, fresh_until = init(tonumber(ARGV[5]), ttl)
+local key = p .. ':m:' .. id
+local committed, live = sweep(ttl, id)
+local h = redis.call('HMGET', key, 'grant', 'held', 'expires_ms', 'lost')
+local grant
+if h[3] == false or h[4] == '1' or num(h[3]) < now then
+  grant = math.min(safe, math.max(budget - committed, 0))
+else
+  grant = num(h[1])
+end
+local held = math.max(grant, using)
+redis.call('HSET', key, 'grant', grant, 'held', held, 'expires_ms', now + ttl, 'lost', 0,
+           'seen_ms', now, 'safe_w', safe)
+for i = 6, #ARGV, 2 do redis.call('HSET', key, ARGV[i], ARGV[i + 1]) end
+redis.call('SADD', set, id)
+local leader = redis.call('GET', p .. ':leader') or ''
+return {tostring(grant), tostring(now + ttl), tostring(now), tostring(fresh_until), leader,
+        tostring(live + 1), tostring(committed + held)}
+"""
+)
+
+# KEYS[1] prefix. ARGV: leader id, ttl_ms, budget_w, then id, target_w pairs.
+# Fenced: only the holder of the leader lease may write. Lowers take effect at once (grant =
+# target; held stays until the member confirms); raises share what the pool holds, each in
+# proportion to what it lacks. Returns pool_w left, reallocations, changed (0/1); {-1} if not
+# the leader.
+ALLOCATE = (
+    _COMMON
+    + """
+if redis.call('GET', p .. ':leader') ~= ARGV[1] then return {'-1'} end
+local ttl = tonumber(ARGV[2])
+local budget, fresh_until = init(tonumber(ARGV[3]), ttl)
+local fresh = now < fresh_until
+local changed = 0
+local raises = {}
+sweep(ttl, '')
+for i = 4, #ARGV, 2 do
+  local id, target = ARGV[i], tonumber(ARGV[i + 1])
+  local key = p .. ':m:' .. id
+  local h = redis.call('HMGET', key, 'grant', 'held', 'lost', 'safe_w')
+  if h[1] ~= false and h[3] ~= '1' then
+    local grant, held, safe = num(h[1]), num(h[2]), num(h[4])
+    if fresh then target = math.min(target, math.max(grant, safe)) end
+    if target < grant - 1e-6 then
+      redis.call('HSET', key, 'grant', target)
+      changed = 1
+    elseif target > grant + 1e-6 then
+      table.insert(raises, {key, grant, held, target})
+    end
+  end
+end
+local committed = sweep(ttl, '')
+local pool = math.max(budget - committed, 0)
+local need = 0
+for _, r in ipairs(raises) do need = need + math.max(r[4] - r[3], 0) end
+local frac = 1
+if need > pool then frac = pool / need end
+for _, r in ipairs(raises) do
+  local key, grant, held, target = r[1], r[2], r[3], r[4]
+  local new = math.min(target, held + frac * math.max(target - held, 0))
+  if new > grant + 1e-6 then
+    pool = pool - math.max(new - held, 0)
+    redis.call('HSET', key, 'grant', new, 'held', math.max(held, new))
+    changed = 1
+  end
+end
+if changed == 1 then redis.call('HINCRBY', st, 'reallocations', 1) end
+return {tostring(pool), redis.call('HGET', st, 'reallocations'), tostring(changed)}
+"""
+)
+
+# KEYS[1] the leader key. ARGV: id, ttl_ms. Compare-and-renew: extends the lease only for its
+# holder (a leader that lost it must not take it back from the new one).
+RENEW_LEADER = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+# KEYS[1] the leader key. ARGV: id. Resigns only its own lease.
+RESIGN_LEADER = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def prefix(budget: str) -> str:
+    return f"powerbatch:fleet:{budget}"

@@ -1,0 +1,316 @@
+"""The fleet budget: water-filling, and leases on a real Redis that never sum over the budget.
+
+Members here run in one event loop with a short lease (TTL 1.5 s, renewed every 0.5 s); a
+sampler reads every member's usable share every 10 ms, the quantity the safety argument is
+about (docs/fleet.md), and Redis's own `held` accounting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from helpers import async_wait_until
+from redis_server import RedisServer, redis_server  # noqa: F401 - the fixture
+
+from powerbatch.errors import ConfigError
+from powerbatch.fleet import Bid, FleetSettings, water_fill
+from powerbatch.fleet.member import FleetMember, MemberSignals
+from powerbatch.fleet.allocate import marginal_value
+
+BUDGET_W = 1000.0
+TTL_S = 1.5
+PERIOD_S = 0.5
+
+# -- water-filling, pure ------------------------------------------------------------------------
+
+
+def test_water_fill_equalises_marginal_value_within_bounds() -> None:
+    bids = {
+        "a": Bid(value_per_w=4.0, want_w=600, min_w=50, max_w=500),  # capped at its max
+        "b": Bid(value_per_w=1.0, want_w=500, min_w=50, max_w=1000),
+        "c": Bid(value_per_w=2.0, want_w=400, min_w=50, max_w=1000),
+        "d": Bid(value_per_w=0.0, want_w=0, min_w=50, max_w=1000),  # idle: its minimum
+    }
+    shares = water_fill(bids, 1000.0)
+    assert sum(shares.values()) == pytest.approx(1000.0, abs=1e-3)
+    assert shares["a"] == pytest.approx(500.0)
+    assert shares["d"] == pytest.approx(50.0)
+    interior = [marginal_value(bids[k], shares[k]) for k in ("b", "c")]
+    assert interior[0] == pytest.approx(interior[1], rel=1e-3)  # KKT: one price inside
+    price = interior[0]
+    assert marginal_value(bids["a"], shares["a"]) >= price  # at its max: worth more
+    assert marginal_value(bids["d"], shares["d"]) <= price  # at its min: worth less
+    for k, b in bids.items():
+        assert b.min_w - 1e-9 <= shares[k] <= b.max_w + 1e-9
+
+
+def test_water_fill_spreads_spare_watts_and_scales_infeasible_minima() -> None:
+    bids = {k: Bid(1.0, 100.0, 10.0, 400.0) for k in "abc"}
+    shares = water_fill(bids, 600.0)  # all want 100: 300 W spare as headroom
+    assert shares == pytest.approx(dict.fromkeys("abc", 200.0))
+    tight = water_fill({k: Bid(1.0, 100.0, 300.0, 400.0) for k in "ab"}, 400.0)
+    assert sum(tight.values()) == pytest.approx(400.0)
+
+
+def test_safe_shares_sum_within_budget_and_bad_settings_refused() -> None:
+    s = FleetSettings(fleet_budget="b", fleet_budget_w=900.0, fleet_members=3)
+    assert s.safe_share_w() == pytest.approx(300.0)
+    assert s.safe_share_w(members_seen=6) == pytest.approx(150.0)  # more seen: smaller
+    capped = FleetSettings(fleet_budget="b", fleet_budget_w=900, fleet_safe_share_w=500)
+    assert capped.safe_share_w() * capped.fleet_members <= 900.0
+    with pytest.raises(ConfigError):
+        FleetSettings(fleet_budget="b", fleet_budget_w=100, fleet_publish_interval_s=2.0)
+    with pytest.raises(ConfigError):
+        FleetSettings(fleet_budget="b")  # no watts
+
+
+# -- members on a real Redis --------------------------------------------------------------------
+
+
+class Fleet:
+    """N members in this loop, with demand set per member and a sampler of the shares."""
+
+    def __init__(self, url: str, n: int, budget: str = "t") -> None:
+        self.settings = FleetSettings(
+            fleet_budget=budget,
+            fleet_budget_w=BUDGET_W,
+            fleet_redis_url=url,
+            fleet_members=n,
+            fleet_min_share_w=20.0,
+            fleet_lease_ttl_s=TTL_S,
+            fleet_publish_interval_s=PERIOD_S,
+        )
+        self.want: dict[str, float] = {}
+        self.members = {f"m{i}": self._member(f"m{i}") for i in range(n)}
+        self.samples: list[tuple[float, float, dict[str, float]]] = []
+        self._sampler: asyncio.Task[None] | None = None
+
+    def _member(self, mid: str) -> FleetMember:
+        self.want[mid] = 0.0
+
+        def signals() -> MemberSignals:
+            w = self.want[mid]
+            return MemberSignals(
+                power_w=w, in_flight=int(w > 0), value_per_w=1.0 * (w > 0), want_w=w
+            )
+
+        return FleetMember(self.settings, mid, signals=signals)
+
+    async def __aenter__(self) -> Fleet:
+        for m in self.members.values():
+            await m.start()
+        self._sampler = asyncio.create_task(self._sample())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._sampler is not None
+        self._sampler.cancel()
+        for m in self.members.values():
+            await m.stop()
+
+    async def _sample(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            shares = {k: m.usable_w() for k, m in self.members.items() if m._task is not None}
+            self.samples.append((loop.time(), sum(shares.values()), shares))
+            await asyncio.sleep(0.01)
+
+    def max_total_w(self, since: float = -math.inf) -> float:
+        return max(total for t, total, _ in self.samples if t >= since)
+
+    def live(self) -> bool:
+        return all(m.usable_w() == m.grant_w and m.redis_error is None for m in self.alive())
+
+    def alive(self) -> list[FleetMember]:
+        return [m for m in self.members.values() if m._task is not None]
+
+
+async def held_total_w(url: str, budget: str = "t") -> float:
+    """Redis's own bound on what members may be using: sum of held, plus reserved lost."""
+    r = aioredis.Redis.from_url(url, decode_responses=True)
+    try:
+        total = 0.0
+        for mid in await r.smembers(f"powerbatch:fleet:{budget}:members"):
+            h = await r.hgetall(f"powerbatch:fleet:{budget}:m:{mid}")
+            total += float(h.get("safe_w", 0) if h.get("lost") == "1" else h.get("held", 0))
+        return total
+    finally:
+        await r.aclose()
+
+
+def run(coro_fn: Callable[[], Awaitable[Any]]) -> Any:
+    return asyncio.run(asyncio.wait_for(coro_fn(), 60))
+
+
+def test_watts_move_to_the_hot_member_and_the_sum_never_exceeds_the_budget(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    async def body() -> None:
+        async with Fleet(redis_server.url, 4) as fleet:
+            await async_wait_until(fleet.live, 5, "every member on a live lease")
+            held_max = 0.0
+            for hot in ("m0", "m2", "m1"):  # the hot spot moves twice
+                for k in fleet.want:
+                    fleet.want[k] = 900.0 if k == hot else 60.0
+                m = fleet.members[hot]
+                await async_wait_until(
+                    lambda m=m: m.usable_w() > 700, 8, f"{hot} given most of the budget"
+                )
+                held_max = max(held_max, await held_total_w(redis_server.url))
+            assert fleet.max_total_w() <= BUDGET_W + 1e-6, "usable shares summed over budget"
+            assert held_max <= BUDGET_W + 1e-6
+            assert sum(1 for m in fleet.members.values() if m.leader) == 1
+            assert sum(m.reallocations for m in fleet.members.values()) >= 3
+
+    run(body)
+
+
+def test_a_killed_members_watts_are_reused_within_a_ttl(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    async def body() -> None:
+        async with Fleet(redis_server.url, 4) as fleet:
+            for k in fleet.want:
+                fleet.want[k] = 900.0 if k == "m3" else 400.0
+            await async_wait_until(
+                lambda: fleet.members["m3"].usable_w() > 300, 8, "m3 hot before it dies"
+            )
+            await async_wait_until(fleet.live, 5, "every member live")
+            dead = fleet.members["m3"]
+            freed_w = dead.usable_w()
+            before = sum(m.usable_w() for m in fleet.members.values() if m is not dead)
+            task, dead._task = dead._task, None  # killed: no goodbye, no resignation
+            assert task is not None
+            task.cancel()
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            others = [m for m in fleet.members.values() if m is not dead]
+            # Above its safe share within one TTL (+ a period to notice); the rest within two.
+            above = freed_w - dead.safe_w
+            await async_wait_until(
+                lambda: sum(m.usable_w() for m in others) >= before + above - 1.0,
+                TTL_S + 2 * PERIOD_S + 0.5,
+                "the dead member's watts above its safe share reused",
+            )
+            t_reuse = loop.time() - t0
+            await async_wait_until(
+                lambda: sum(m.usable_w() for m in others) >= BUDGET_W - 1.0,
+                2 * TTL_S + 3 * PERIOD_S,
+                "all the dead member's watts reused",
+            )
+            assert t_reuse <= TTL_S + 2 * PERIOD_S + 0.5
+            assert fleet.max_total_w() <= BUDGET_W + 1e-6 + freed_w * 0  # survivors + dead
+            # The dead member, frozen at its last share, plus the survivors: never over budget
+            # while its lease could still be in use (2/3 TTL after its last renewal).
+
+    run(body)
+
+
+def test_redis_killed_members_keep_leases_then_safe_shares_then_recover(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    async def body() -> None:
+        async with Fleet(redis_server.url, 4) as fleet:
+            for k in fleet.want:
+                fleet.want[k] = 900.0 if k == "m1" else 50.0
+            hot = fleet.members["m1"]
+            await async_wait_until(lambda: hot.usable_w() > 600, 8, "m1 hot")
+            await async_wait_until(fleet.live, 5, "every member live")
+            leases = {k: m.usable_w() for k, m in fleet.members.items()}
+            loop = asyncio.get_running_loop()
+            await asyncio.to_thread(redis_server.kill)
+            t0 = loop.time()
+            await asyncio.sleep(0.2)
+            assert {k: m.usable_w() for k, m in fleet.members.items()} == leases  # kept
+            safe = fleet.settings.safe_share_w(4)
+            await async_wait_until(
+                lambda: all(m.usable_w() == pytest.approx(safe) for m in fleet.members.values()),
+                2 * TTL_S + PERIOD_S + 0.5,
+                "every member on its safe share",
+            )
+            assert loop.time() - t0 >= 2 * TTL_S / 3 - PERIOD_S  # not before the lease ran out
+            assert fleet.max_total_w() <= BUDGET_W + 1e-6, "over budget while Redis was down"
+            assert hot.redis_error is not None
+            await asyncio.to_thread(redis_server.start)
+            await async_wait_until(fleet.live, 6 * TTL_S, "live leases again after Redis returns")
+            await async_wait_until(lambda: hot.usable_w() > 600, 4 * TTL_S, "m1 hot again")
+            assert fleet.max_total_w() <= BUDGET_W + 1e-6
+
+    run(body)
+
+
+def test_lua_raises_only_from_confirmed_watts_and_only_for_the_leader(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """The scripts alone, step by step: B's lower share frees watts for A only once B has
+    confirmed it is using no more than that."""
+    from powerbatch.fleet import scripts
+
+    async def body() -> None:
+        r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        p = scripts.prefix("lua")
+        ttl_ms = 10_000
+
+        async def renew(mid: str, using: float) -> float:
+            reply = await r.eval(scripts.RENEW, 1, p, mid, ttl_ms, using, 250.0, 1000.0)
+            return float(reply[0])
+
+        async def allocate(leader: str, **targets: float) -> list[str]:
+            args: list[Any] = [leader, ttl_ms, 1000.0]
+            for k, v in targets.items():
+                args += [k, v]
+            return list(await r.eval(scripts.ALLOCATE, 1, p, *args))
+
+        async def grant(mid: str) -> float:
+            return float(await r.hget(f"{p}:m:{mid}", "grant") or 0)
+
+        try:
+            assert await renew("a", 0.0) == 250.0  # joins with its safe share
+            assert await renew("b", 0.0) == 250.0
+            await r.hset(f"{p}:state", "fresh_until_ms", 0)  # past the fresh-state hold
+            await r.set(f"{p}:leader", "a")
+            assert await allocate("b", a=800.0, b=200.0) == ["-1"]  # not the leader: no write
+            await allocate("a", a=800.0, b=200.0)
+            assert await grant("b") == 200.0  # lowered at once
+            assert await grant("a") == 750.0  # raised only from the pool: b may still use 250
+            assert await held_total_w(redis_server.url, "lua") <= 1000.0
+            await renew("b", 250.0)  # b renews while still on 250: nothing freed
+            await allocate("a", a=800.0, b=200.0)
+            assert await grant("a") == 750.0
+            await renew("b", 200.0)  # b confirms 200
+            await allocate("a", a=800.0, b=200.0)
+            assert await grant("a") == 800.0
+            assert await held_total_w(redis_server.url, "lua") <= 1000.0
+        finally:
+            await r.aclose()
+
+    run(body)
+
+
+def test_serve_build_makes_the_member_the_loops_ceiling_and_status_shows_it() -> None:
+    from powerbatch.cli.serve import build
+    from powerbatch.cli.settings import SERVE
+    from powerbatch.settings import load
+
+    overrides = {
+        "ceiling_w": 500,
+        "upstream": "http://127.0.0.1:9",
+        "port": 8123,
+        "fleet_budget": "rack1",
+        "fleet_budget_w": 2000,
+    }
+    s = load(SERVE, environ={}, overrides=overrides)
+    _, gov = build(s, "dcgm")
+    member = gov.loop.ceiling
+    assert isinstance(member, FleetMember)
+    assert member.id.endswith(":8123")
+    fleet = gov.status()["fleet"]
+    assert fleet["budget"] == "rack1" and fleet["state"] == "starting"
+    assert member.ceiling_w(0.0) == 1.0  # nothing leased yet: the minimum, not the budget
+    _, plain = build(load(SERVE, environ={}, overrides={**overrides, "fleet_budget": None}), "dcgm")
+    assert plain.loop.ceiling is None and "fleet" not in plain.status()
