@@ -19,8 +19,8 @@ from redis_server import RedisServer, redis_server  # noqa: F401 - the fixture
 
 from powerbatch.errors import ConfigError
 from powerbatch.fleet import Bid, FleetSettings, water_fill
-from powerbatch.fleet.member import FleetMember, MemberSignals
 from powerbatch.fleet.allocate import marginal_value
+from powerbatch.fleet.member import FleetMember, MemberSignals
 
 BUDGET_W = 1000.0
 TTL_S = 1.5
