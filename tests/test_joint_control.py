@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import run
 
 from powerbatch.cli.serve import build
@@ -211,3 +213,54 @@ def test_only_a_device_limit_opens_the_reserve_for_the_top_class() -> None:
 
     assert last(594.0) > 0
     assert last(None) == 0  # admission alone holds the ceiling: no slot beyond the limit
+
+
+def _sim_plant(profile: str) -> Callable[[int], tuple[float, float]]:
+    from powerbatch.sim.gpu_model import PROFILES, steady_state
+
+    prof = PROFILES[profile]
+
+    def plant(batch: int) -> tuple[float, float]:
+        ss = steady_state(prof, batch)
+        return ss.power_w, ss.output_tok_s
+
+    return plant
+
+
+def _flat_high(batch: int) -> tuple[float, float]:
+    """A plant no profile has: most of the ceiling at batch 1, then a slow linear rise."""
+    return 1500.0 + 3.0 * batch, 25.0 * batch
+
+
+@pytest.mark.parametrize(
+    ("plant", "ceiling_w", "noise_w"),
+    [
+        (_sim_plant("h100-llama8b"), 600.0, 6.0),
+        (_sim_plant("h100x4-llama70b"), 2000.0, 25.0),
+        (_sim_plant("h200-decode-light"), 250.0, 4.0),
+        (_flat_high, 1800.0, 15.0),
+    ],
+)
+def test_any_plant_is_learnt_within_15_seconds_under_a_device_limit(
+    plant: Callable[[int], tuple[float, float]], ceiling_w: float, noise_w: float
+) -> None:
+    """Sustained demand: within 5 % of the ceiling (or at the batch cap) by 15 s, never over."""
+    rng = np.random.default_rng(3)
+    cfg = ControlConfig(ceiling_w=ceiling_w, max_batch=256)
+    ctl = Controller(cfg)
+    limit_n, limit_w = cfg.initial_batch, None
+    seen = []
+    for i in range(20 * 5):
+        t = i / 5
+        true_w, tok_s = plant(limit_n)
+        power = true_w + rng.normal(0, noise_w)
+        if limit_w is not None:
+            power = min(power, limit_w + rng.normal(0, 1.0))
+        feats = Features(limit_n, 900.0 * limit_n, 40.0 * limit_n, tok_s)
+        d = ctl.tick(Observation(t, power, True, feats, limit_n, 10_000, power_limit_w=limit_w))
+        limit_n, limit_w = d.enforced.max_requests, d.power_limit_w
+        seen.append((t, power, limit_n))
+    late = [(p, n) for t, p, n in seen if t >= 15]
+    assert all(p <= ceiling_w for _, p, _ in seen), max(p for _, p, _ in seen)
+    reached = [p >= 0.95 * ceiling_w or n >= cfg.max_batch for p, n in late]
+    assert all(reached), late[:5]

@@ -541,7 +541,9 @@ class Controller:
         reserve = 0
         if capped:
             reserve = min(cfg.max_batch - self._batch, math.ceil(g.reserve_frac * self._batch))
-        pace = self._prefill_pace(self._batch, target_w)
+        # Under a device limit a burst of prompts is clipped by the driver within milliseconds;
+        # pacing it as well would only delay first tokens.
+        pace = None if capped else self._prefill_pace(self._batch, target_w)
         limits = Limits(self._batch, kv_limit, pace, reserve)
         return self._decide(
             obs,
