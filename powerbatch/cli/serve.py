@@ -184,6 +184,7 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
         upstream_scraper=scraper,
         source_averages=averaged,
         trace=open_trace(s.trace),
+        energy=s.energy,
     )
     return create_app(gov, s.proxy), gov
 

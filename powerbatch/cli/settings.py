@@ -13,6 +13,7 @@ from typing import Literal
 from powerbatch.admission.priority import PRIORITIES
 from powerbatch.admission.settings import AdmissionSettings
 from powerbatch.control.config import ControlConfig, TraceSettings
+from powerbatch.energy.settings import EnergySettings
 from powerbatch.errors import ConfigError
 from powerbatch.proxy.settings import ProxySettings
 from powerbatch.settings import Surface, setting
@@ -29,6 +30,7 @@ class ServeSettings:
     admission: AdmissionSettings
     trace: TraceSettings = field(default_factory=TraceSettings)
     limiter: LimiterSettings = field(default_factory=LimiterSettings)
+    energy: EnergySettings = field(default_factory=EnergySettings)
     hardware_backstop: bool = setting(
         False,
         "also set the GPUs' NVML power limit to the ceiling, restored on exit (needs nvml, root)",

@@ -16,7 +16,17 @@ from typing import Any
 
 from powerbatch.admission import PRIORITIES, AdmissionQueue
 from powerbatch.control import Controller, Decision, LatencySnapshot, LatencyWindow, Limits
-from powerbatch.control.loop import CeilingSource, ControlLoop, HostSample, LimitsSink, TickRecord
+from powerbatch.control.loop import (
+    CeilingSource,
+    ControlLoop,
+    HostSample,
+    LimitsSink,
+    TickRecord,
+    json_safe,
+)
+from powerbatch.energy.accounting import EnergyAccounting
+from powerbatch.energy.settings import EnergySettings
+from powerbatch.estimate import Features
 from powerbatch.proxy.metrics import ProxyMetrics
 from powerbatch.telemetry import PowerMonitor, UpstreamMetricsScraper, UpstreamSignals
 from powerbatch.telemetry.limiter import LimitActuator
@@ -136,6 +146,7 @@ class Governor:
         extra_sinks: tuple[LimitsSink, ...] = (),
         actuator: LimitActuator | None = None,
         ceiling: CeilingSource | None = None,
+        energy: EnergySettings | None = None,
     ) -> None:
         self.controller = controller
         self.queue = queue
@@ -147,11 +158,14 @@ class Governor:
         self.features = ProxyFeatures(
             queue, metrics, self.latency, controller.config.interactive_classes
         )
+        self.energy = EnergyAccounting(
+            monitor, controller, metrics.energy, energy, features=self._last_features
+        )
         self.loop = ControlLoop(
             controller,
             monitor,
             self.features,
-            [AdmissionSink(queue, controller), *extra_sinks],
+            [AdmissionSink(queue, controller), self.energy, *extra_sinks],
             metrics,
             window_s=window_s,
             source_averages=source_averages,
@@ -161,6 +175,10 @@ class Governor:
             ceiling=ceiling,
         )
         self._scrape_task: asyncio.Task[None] | None = None
+
+    def _last_features(self) -> Features | None:
+        history = self.loop.history
+        return history[-1].features if history else None
 
     # What the request path touches: kept as attributes so a request costs no indirection.
     @property
@@ -207,7 +225,9 @@ class Governor:
         return self.loop.tick(t_s)
 
     def status(self) -> dict[str, Any]:
-        return self.loop.status()
+        doc = self.loop.status()
+        doc["energy"] = json_safe(self.energy.status())
+        return doc
 
     def trace_rows(self) -> list[TraceRow]:
         return self.loop.trace_rows()

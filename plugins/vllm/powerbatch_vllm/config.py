@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from powerbatch.control import ControlConfig, prior_max_w
 from powerbatch.control.config import TraceSettings
+from powerbatch.energy.settings import EnergySettings
 from powerbatch.errors import ConfigError
 from powerbatch.settings import Surface, check_bounds, load, setting
 from powerbatch.settings import reference_markdown as _reference
@@ -54,6 +55,7 @@ class PluginConfig:
     engine: EngineSettings = dataclasses.field(default_factory=EngineSettings)
     trace: TraceSettings = dataclasses.field(default_factory=TraceSettings)
     limiter: LimiterSettings = dataclasses.field(default_factory=LimiterSettings)
+    energy: EnergySettings = dataclasses.field(default_factory=EnergySettings)
 
     def __post_init__(self) -> None:
         self.power.check_ceiling(self.control.ceiling_w)
