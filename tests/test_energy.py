@@ -286,3 +286,16 @@ def test_header_and_access_log(caplog: pytest.LogCaptureFixture) -> None:
         run(main())
     lines = [r.getMessage() for r in caplog.records if r.name == "powerbatch.access"]
     assert len(lines) == 1 and "tenant=anonymous" in lines[0] and "energy_j=" in lines[0]
+
+
+def test_bench_reports_attributed_joules_per_token_by_class() -> None:
+    from powerbatch.cli.report import energy_by_class
+    from powerbatch.load.client import RequestResult
+
+    def r(priority: str, tokens: int, energy_j: float | None) -> RequestResult:
+        return RequestResult(0.0, priority, 0, 200, 0.1, 1.0, 10, tokens, energy_j=energy_j)
+
+    out = energy_by_class([r("high", 10, 5.0), r("high", 30, 15.0), r("low", 20, 4.0)], 30.0)
+    assert out["j_per_token_by_class"] == {"high": 0.5, "normal": None, "low": 0.2}
+    assert out["attributed_j"] == 24.0 and out["attributed_share"] == pytest.approx(0.8)
+    assert energy_by_class([r("high", 10, None)], 30.0)["attributed_j"] is None

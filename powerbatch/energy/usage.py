@@ -71,3 +71,13 @@ def events_with_energy(buf: bytes, energy_j: float) -> tuple[bytes, int | None]:
             event = b"data: " + with_energy(doc, usage, energy_j) + b"\n\n"
         out.append(event)
     return b"".join(out), prompt
+
+
+def tail_energy_j(tail: bytes) -> float | None:
+    """`usage.energy_j` of the usage event at the end of a stream (`tail`: its last bytes)."""
+    for event in reversed(split_events(tail)):
+        _, usage = _event_json(event)
+        if usage is not None:
+            value = usage.get(FIELD)
+            return float(value) if isinstance(value, int | float) else None
+    return None
