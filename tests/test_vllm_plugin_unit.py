@@ -309,3 +309,47 @@ def test_status_endpoint_serves_metrics_and_modelled_power() -> None:
 def test_dcgm_text_is_empty_without_a_reading() -> None:
     assert dcgm_text(None, "0", "m") == ""
     assert 'gpu="0"' in dcgm_text(512.0, "0", "m")
+
+
+def test_engine_charges_each_request_by_its_steps() -> None:
+    """Fake steps: a prefill and a decode share a tick's energy above idle by their work."""
+    cfg = plugin_config(
+        ceiling_w=500,
+        mode="observe",
+        warmup_s=0.0,
+        metrics_port=0,
+        idle_w=100.0,
+        prefill_weight=0.25,
+    )
+    stats = StepStats()
+    ct = ControlThread(cfg, CAPS, stats, source=Watts(400.0), model_name="m")
+    now = [0.0]
+    ct.energy.clock = lambda: now[0]
+
+    def tick(t_s: float) -> None:
+        now[0] = t_s
+        asyncio.run(ct.monitor.poll_once())
+        ct.tick(time.monotonic())
+
+    tick(0.0)  # the meter starts
+    # 400 prompt tokens (100 units at 0.25) against 100 decoded tokens: an even split.
+    stats.record_requests({"a": (400, 0), "b": (0, 100)}, {"a": "high", "b": "normal"})
+    tick(1.0)  # 400 J metered: 100 J idle, 150 J each
+    stats.record_requests({"a": (0, 50), "b": (0, 150)}, {}, finished=["b"])
+    tick(2.0)  # 300 J above idle: 75 J to a, 225 J to b, which then leaves
+    reg = ct.metrics.registry
+
+    def joules(priority: str) -> float | None:
+        labels = {"priority": priority, "tenant": "engine", "model": "m"}
+        return reg.get_sample_value("powerbatch_request_energy_joules_total", labels)
+
+    assert joules("high") == pytest.approx(225.0)
+    assert joules("normal") == pytest.approx(375.0)
+    assert reg.get_sample_value("powerbatch_idle_energy_joules_total") == pytest.approx(200.0)
+    completion = reg.get_sample_value(
+        "powerbatch_request_tokens_total",
+        {"kind": "completion", "priority": "normal", "tenant": "engine", "model": "m"},
+    )
+    assert completion == 250.0
+    energy = ct.status()["energy"]
+    assert energy["in_flight"] == 1 and energy["by_class_j"]["normal"] == pytest.approx(375.0)

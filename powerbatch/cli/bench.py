@@ -178,6 +178,7 @@ def aggregate(summaries: list[dict[str, Any]]) -> dict[str, Any]:
             xs = [s["latency"][p][k] for s in summaries if s["latency"][p][k] is not None]
             lat[p][k] = statistics.fmean(xs) if xs else None
     out["latency"] = lat
+    out["j_per_token_by_class"] = aggregate_energy(summaries)
     return out
 
 
@@ -207,6 +208,7 @@ def table(results: dict[str, dict[str, Any]], console: Console, title: str) -> N
     row("mean power where power binds, W", "power_bound_mean_w")
     row("output tokens/s", "output_tok_s", ".0f")
     row("J per output token", "j_per_token", ".3f")
+    energy_rows(results, t)
     row("goodput, req/s in SLO", "goodput_rps", ".2f")
     row("429 answers", "http_429", ".0f")
     row("503 answers", "http_503", ".0f")
@@ -219,6 +221,34 @@ def table(results: dict[str, dict[str, Any]], console: Console, title: str) -> N
         cells = [_fmt(agg["latency"][p]["tpot_p95_s"], ".3f") for agg in results.values()]
         t.add_row(f"p95 time/token {p}, s", *cells)
     console.print(t)
+
+
+def aggregate_energy(summaries: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Mean over repeats of each class's attributed J per output token."""
+    out: dict[str, float | None] = {}
+    for p in ("high", "normal", "low"):
+        xs = [v for s in summaries if (v := s.get("j_per_token_by_class", {}).get(p)) is not None]
+        out[p] = statistics.fmean(xs) if xs else None
+    return out
+
+
+def _scaled(agg: dict[str, Any] | None, scale: float) -> float | None:
+    mean = agg.get("mean") if agg else None
+    return None if mean is None else mean * scale
+
+
+def energy_rows(results: dict[str, dict[str, Any]], t: Any) -> None:
+    """J per output token per class from the requests' attributed joules, and their share of
+    the measured energy (the rest is idle): the per-class figures add up to the meter."""
+    t.add_row(
+        "attributed share of energy, %",
+        *[_fmt(_scaled(agg.get("attributed_share"), 100.0), ".1f") for agg in results.values()],
+    )
+    for p in ("high", "normal", "low"):
+        cells = [
+            _fmt(agg.get("j_per_token_by_class", {}).get(p), ".3f") for agg in results.values()
+        ]
+        t.add_row(f"J per output token {p} (attributed)", *cells)
 
 
 async def search_static_batch(

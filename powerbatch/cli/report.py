@@ -62,6 +62,25 @@ def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def energy_by_class(ok: list[Any], energy_j: float) -> dict[str, Any]:
+    """J per output token per class from the answers' attributed joules (usage.energy_j), and
+    their sum as a share of the measured total: the rest is idle energy (docs/energy.md)."""
+    charged = [r for r in ok if r.energy_j is not None]
+    if not charged:
+        return {"attributed_j": None, "attributed_share": None, "j_per_token_by_class": {}}
+    per: dict[str, float | None] = {}
+    for p in PRIORITIES:
+        rs = [r for r in charged if r.priority == p]
+        tokens = sum(r.output_tokens for r in rs)
+        per[p] = sum(r.energy_j for r in rs) / tokens if tokens else None
+    attributed_j = sum(r.energy_j for r in charged)
+    return {
+        "attributed_j": attributed_j,
+        "attributed_share": attributed_j / energy_j if energy_j > 0 else None,
+        "j_per_token_by_class": per,
+    }
+
+
 def summarize(run: RunData, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, Any]:
     t_mid, p1 = power_1s(run.trace, run.t0_s, run.t0_s + run.load_s)
     rates = [ph.rate_rps for ph in run.profile.phases]
@@ -121,6 +140,7 @@ def summarize(run: RunData, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, A
         "http_503": statuses.count(503),
         "other_errors": len(run.results) - len(ok) - statuses.count(429) - statuses.count(503),
         "latency": latency,
+        **energy_by_class(ok, energy_j),
         "power_1s_w": [round(float(x), 2) for x in p1],
     }
 

@@ -195,6 +195,7 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
         actuator=make_actuator(s.limiter, s.power.gpu_indices()),
         plan=plan_runner(s.shape, controller, queue),
         ceiling=member,
+        energy=s.energy,
     )
     attach(member, gov.loop, queue.queued_by_class)
     return create_app(gov, s.proxy), gov

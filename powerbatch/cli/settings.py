@@ -13,6 +13,7 @@ from typing import Literal
 from powerbatch.admission.priority import PRIORITIES
 from powerbatch.admission.settings import AdmissionSettings
 from powerbatch.control.config import ControlConfig, TraceSettings
+from powerbatch.energy.settings import EnergySettings
 from powerbatch.errors import ConfigError
 from powerbatch.fleet.settings import FleetSettings
 from powerbatch.proxy.settings import ProxySettings
@@ -33,6 +34,7 @@ class ServeSettings:
     limiter: LimiterSettings = field(default_factory=LimiterSettings)
     shape: ShapeSettings = field(default_factory=ShapeSettings)
     fleet: FleetSettings = field(default_factory=FleetSettings)
+    energy: EnergySettings = field(default_factory=EnergySettings)
     hardware_backstop: bool = setting(
         False,
         "also set the GPUs' NVML power limit to the ceiling, restored on exit (needs nvml, root)",

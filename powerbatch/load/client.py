@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from powerbatch.energy.usage import tail_energy_j
 from powerbatch.load.profile import PlannedRequest
 from powerbatch.sse import usage_completion_tokens
 
@@ -28,6 +29,7 @@ class RequestResult:
     prompt_tokens: int
     output_tokens: int
     error: str | None = None
+    energy_j: float | None = None  # usage.energy_j, where the server reports it (powerbatch)
 
     @property
     def ok(self) -> bool:
@@ -88,9 +90,19 @@ async def send_one(
             if not req.stream:
                 payload = await resp.json()
                 e2e = time.monotonic() - t0
-                tokens = int(payload.get("usage", {}).get("completion_tokens", 0))
+                usage = payload.get("usage") or {}
+                tokens = int(usage.get("completion_tokens", 0))
+                energy = usage.get("energy_j")
                 return RequestResult(
-                    t0 - t_run0, req.priority, req.phase, 200, e2e, e2e, req.prompt_tokens, tokens
+                    t0 - t_run0,
+                    req.priority,
+                    req.phase,
+                    200,
+                    e2e,
+                    e2e,
+                    req.prompt_tokens,
+                    tokens,
+                    energy_j=float(energy) if isinstance(energy, int | float) else None,
                 )
             tail = b""
             async for chunk in resp.content.iter_any():
@@ -111,6 +123,7 @@ async def send_one(
                 req.prompt_tokens,
                 tokens,
                 error,
+                energy_j=tail_energy_j(tail),
             )
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         return RequestResult(

@@ -19,9 +19,20 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from powerbatch.admission import DEFAULT_PRIORITY, Rejected, parse_priority
+from powerbatch.admission import DEFAULT_PRIORITY, PRIORITIES, Rejected, parse_priority
+from powerbatch.energy.attribution import Labels, RequestEnergy
+from powerbatch.energy.labels import ANONYMOUS, OTHER, Bounded
+from powerbatch.energy.usage import (
+    HEADER,
+    events_with_energy,
+    json_usage,
+    split_events,
+    usage_event_at,
+    usage_int,
+    with_energy,
+)
 from powerbatch.errors import PowerbatchError
-from powerbatch.proxy.auth import ApiKeys, auth_middleware
+from powerbatch.proxy.auth import TENANT, ApiKeys, auth_middleware
 from powerbatch.proxy.errors import error_body, error_response, sse_error_event
 from powerbatch.proxy.governor import Governor
 from powerbatch.proxy.parse import (
@@ -34,6 +45,7 @@ from powerbatch.proxy.settings import ProxySettings
 from powerbatch.sse import usage_completion_tokens
 
 log = logging.getLogger("powerbatch.proxy")
+access_log = logging.getLogger("powerbatch.access")
 
 _HOP_BY_HOP = frozenset(
     h.lower()
@@ -123,6 +135,18 @@ class ProxyHandlers:
         self.api_keys = api_keys
         self.upstream = settings.upstream_url
         self.session: aiohttp.ClientSession | None = None
+        # Label values come from configuration, never from what a client sends: bounded.
+        keys = api_keys.names() if api_keys is not None else [ANONYMOUS]
+        self.tenants = Bounded(settings.tenants or keys)
+        self.models = Bounded(settings.models, settings.max_models)
+
+    def energy_labels(self) -> list[Labels]:
+        """The label sets known at start, for series at zero (only with `models` set)."""
+        if not self.settings.models:
+            return []
+        tenants = self.tenants.known() + ([OTHER] if self.settings.tenants else [])
+        models = [*self.models.known(), OTHER]
+        return [(p, t, m) for p in PRIORITIES for t in tenants for m in models]
 
     def _url(self, request: web.Request) -> str:
         """The upstream URL for a request: only ever the configured upstream, never the client's.
@@ -213,12 +237,18 @@ class ProxyHandlers:
             return error_response(
                 rej.status, rej.message, code=rej.reason, retry_after_s=rej.retry_after_s
             )
+        labels = (priority, self.tenants(request.get(TENANT, ANONYMOUS)), self.models(info.model))
+        # A stream's tokens are seen as they come; a whole answer's are estimated until it ends.
+        rec = self.gov.energy.begin(
+            labels, observed=info.stream or not generates, prefill_tokens=info.prompt_tokens
+        )
         try:
             m.queue_wait_s.labels(priority).observe(time.monotonic() - t0)
             m.prompt_tokens.inc(info.prompt_tokens)
-            return await self._forward(request, raw, info, priority, t0, generates)
+            return await self._forward(request, raw, info, priority, t0, generates, rec)
         finally:
             slot.release()
+            rec.finished = True  # a failed request is charged up to its end at the next tick
 
     async def _forward(
         self,
@@ -227,7 +257,8 @@ class ProxyHandlers:
         info: RequestInfo,
         priority: str,
         t0: float,
-        generates: bool = True,
+        generates: bool,
+        rec: RequestEnergy,
     ) -> web.StreamResponse:
         m = self.gov.metrics
         assert self.session is not None
@@ -257,8 +288,8 @@ class ProxyHandlers:
         async with up:
             ctype = up.headers.get("Content-Type", "")
             if info.stream and up.status == 200 and ctype.startswith("text/event-stream"):
-                return await self._relay_stream(request, up, priority, t0)
-            return await self._relay_body(up, priority, t0, generates)
+                return await self._relay_stream(request, up, priority, t0, info, rec)
+            return await self._relay_body(request, up, priority, t0, generates, info, rec)
 
     async def _read_upstream_body(self, up: aiohttp.ClientResponse) -> bytes:
         """The whole body, failing if the upstream goes silent for read_timeout_s."""
@@ -272,7 +303,14 @@ class ProxyHandlers:
                 return b"".join(parts)
 
     async def _relay_body(
-        self, up: aiohttp.ClientResponse, priority: str, t0: float, generates: bool = True
+        self,
+        request: web.Request,
+        up: aiohttp.ClientResponse,
+        priority: str,
+        t0: float,
+        generates: bool,
+        info: RequestInfo,
+        rec: RequestEnergy,
     ) -> web.StreamResponse:
         m = self.gov.metrics
         try:
@@ -285,15 +323,24 @@ class ProxyHandlers:
                 code="upstream_error",
             )
         now = time.monotonic()
-        if up.status == 200 and not generates:
-            # No first token and no decode: a TTFT or TPOT sample would mislead the latency SLOs.
-            m.requests.labels(priority, "ok").inc()
-            m.e2e_s.labels(priority).observe(now - t0)
-        elif up.status == 200:
-            tokens = None
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                tokens = int(json.loads(body)["usage"]["completion_tokens"])
-            self._record(priority, t0, first_s=now, last_s=now, tokens=tokens)
+        headers = _forward_headers(up.headers)
+        if up.status == 200:
+            doc, usage = json_usage(body)
+            tokens = usage_int(usage, "completion_tokens")
+            if not generates:
+                # No first token and no decode: a TTFT or TPOT sample would mislead the SLOs.
+                m.requests.labels(priority, "ok").inc()
+                m.e2e_s.labels(priority).observe(now - t0)
+            else:
+                self._record(priority, t0, first_s=now, last_s=now, tokens=tokens)
+            prompt = usage_int(usage, "prompt_tokens") or info.prompt_tokens
+            energy_j = self.gov.energy.finish(rec)
+            self.gov.energy.count_tokens(rec.labels, prompt, tokens or 0)
+            if usage is not None:
+                body = with_energy(doc, usage, energy_j)
+            if self.settings.energy_header:
+                headers[HEADER] = f"{energy_j:.6f}"
+            self._access(request, 200, rec.labels, prompt, tokens or 0, energy_j, now - t0)
         else:
             m.requests.labels(priority, _upstream_outcome(up.status)).inc()
             if up.status >= 500 and not _is_json_error(body):
@@ -302,10 +349,44 @@ class ProxyHandlers:
                 return error_response(
                     502, f"upstream answered {up.status}: {snippet}", code="upstream_error"
                 )
-        return web.Response(body=body, status=up.status, headers=_forward_headers(up.headers))
+        return web.Response(body=body, status=up.status, headers=headers)
+
+    def _access(
+        self,
+        request: web.Request,
+        status: int,
+        labels: Labels,
+        prompt: int,
+        completion: int,
+        energy_j: float,
+        e2e_s: float,
+    ) -> None:
+        """One compact line per answered request (setting access_log): no keys, no content."""
+        if self.settings.access_log:
+            p, t, model = labels
+            access_log.info(
+                "%s %s %d class=%s tenant=%s model=%s prompt=%d completion=%d energy_j=%.3f "
+                "e2e_s=%.3f",
+                request.method,
+                request.path,
+                status,
+                p,
+                t,
+                model,
+                prompt,
+                completion,
+                energy_j,
+                e2e_s,
+            )
 
     async def _relay_stream(
-        self, request: web.Request, up: aiohttp.ClientResponse, priority: str, t0: float
+        self,
+        request: web.Request,
+        up: aiohttp.ClientResponse,
+        priority: str,
+        t0: float,
+        info: RequestInfo,
+        rec: RequestEnergy,
     ) -> web.StreamResponse:
         """Relay SSE as it comes, whole events at a time, byte for byte.
 
@@ -321,6 +402,7 @@ class ProxyHandlers:
         events = 0
         tail = b""
         pending = b""
+        held: bytes | None = None  # the usage chunk on: sent once the energy is known
         chunks = up.content.iter_any().__aiter__()
         try:
             async with asyncio.timeout(write_s):
@@ -346,11 +428,18 @@ class ProxyHandlers:
                 n = out.count(b"data: ")
                 events += n
                 self.gov.output_tokens_total += n
-                async with asyncio.timeout(write_s):
-                    await resp.write(out)
+                rec.add(decode_tokens=n)
+                if held is not None:
+                    held, out = held + out, b""
+                elif info.include_usage and b'"usage"' in out:
+                    parts = split_events(out)
+                    at = usage_event_at(parts)
+                    if at is not None:
+                        out, held = b"".join(parts[:at]), b"".join(parts[at:])
+                if out:
+                    async with asyncio.timeout(write_s):
+                        await resp.write(out)
             async with asyncio.timeout(write_s):
-                if pending:
-                    await resp.write(pending)
                 tokens = usage_completion_tokens(tail)
                 if tokens is not None:
                     self.gov.output_tokens_total += tokens - events
@@ -358,6 +447,15 @@ class ProxyHandlers:
                     tokens = max(events - 2, 0)  # the role event and [DONE] carry no token
                 now = time.monotonic()
                 self._record(priority, t0, first_s=first_s or now, last_s=now, tokens=tokens)
+                energy_j = self.gov.energy.finish(rec)
+                prompt: int | None = None
+                if held is not None:
+                    pending, prompt = events_with_energy(held + pending, energy_j)
+                prompt = prompt or info.prompt_tokens
+                self.gov.energy.count_tokens(rec.labels, prompt, tokens)
+                if pending:
+                    await resp.write(pending)
+                self._access(request, 200, rec.labels, prompt, tokens, energy_j, now - t0)
                 await resp.write_eof()
         except _UpstreamFailed as exc:
             log.warning("upstream stream failed: %s", exc)
@@ -512,6 +610,7 @@ def create_app(
     middlewares = [auth_middleware(keys)] if keys is not None else []
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
     h = ProxyHandlers(gov, settings, keys)
+    gov.metrics.energy.seed(h.energy_labels())
 
     async def lifecycle(app: web.Application) -> Any:
         own = session is None

@@ -24,23 +24,47 @@ PUBLIC_PATHS = frozenset({"/health", "/ready"})
 _COMMENT = re.compile(r"(^|\s)#.*$")
 
 
-class ApiKeys:
-    """A set of accepted bearer tokens."""
+# `name:key` gives a key a tenant name (the label its usage and energy are counted under).
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+DEFAULT_TENANT = "default"
+TENANT = web.RequestKey("tenant", str)  # set on requests the middleware let through
 
-    __slots__ = ("_keys",)
+
+def split_name(entry: str) -> tuple[str, str]:
+    """(tenant name, key) of a configured entry: `name:key`, or a bare key (`default`).
+
+    A bare key that itself holds a colon must be written with a name in front.
+    """
+    name, sep, key = entry.partition(":")
+    if sep and _NAME.fullmatch(name):
+        return name, key
+    return DEFAULT_TENANT, entry
+
+
+class ApiKeys:
+    """A set of accepted bearer tokens, each with the tenant name it is counted under."""
+
+    __slots__ = ("_keys", "_names")
 
     def __init__(self, keys: Iterable[str]) -> None:
-        cleaned = [k.strip() for k in keys if k.strip()]
-        if not cleaned:
+        cleaned = [split_name(k.strip()) for k in keys if k.strip()]
+        cleaned = [(n, k.strip()) for n, k in cleaned]
+        if not cleaned or not all(k for _, k in cleaned):
             raise ConfigError("API keys were configured, but none is non-empty")
-        for key in cleaned:
+        for _, key in cleaned:
             if any(c.isspace() for c in key) or not key.isprintable():
                 raise ConfigError("an API key contains whitespace or control characters")
-        self._keys = tuple(k.encode() for k in cleaned)
+        self._keys = tuple(k.encode() for _, k in cleaned)
+        self._names = tuple(n for n, _ in cleaned)
+
+    def names(self) -> list[str]:
+        """The tenant names the keys carry, each once."""
+        return sorted(set(self._names))
 
     @classmethod
     def load(cls, keys: Iterable[str] = (), path: str | None = None) -> ApiKeys | None:
-        """From a list and/or a file (a key a line, `#` comments); None when neither is given.
+        """From a list and/or a file (a key a line, `name:key` to name its tenant, `#` comments);
+        None when neither is given.
 
         A bad key in the file is reported with its file and line; the key itself never is.
         """
@@ -69,20 +93,30 @@ class ApiKeys:
     def __repr__(self) -> str:
         return f"ApiKeys(<{len(self._keys)} redacted>)"
 
+    def identify(self, presented: str) -> str | None:
+        """The tenant name of the key `presented` equals, or None; every key is compared, so
+        the time taken does not depend on which matched."""
+        candidate = presented.encode("utf-8", "surrogateescape")
+        found: str | None = None
+        for key, name in zip(self._keys, self._names, strict=True):
+            if hmac.compare_digest(candidate, key):
+                found = name
+        return found
+
     def verify(self, presented: str) -> bool:
         """True when `presented` equals one of the keys; the time taken does not depend on which."""
-        candidate = presented.encode("utf-8", "surrogateescape")
-        ok = False
-        for key in self._keys:
-            ok |= hmac.compare_digest(candidate, key)
-        return ok
+        return self.identify(presented) is not None
+
+    def identify_header(self, authorization: str | None) -> str | None:
+        """The tenant of an `Authorization: Bearer <key>` header value, or None."""
+        if not authorization:
+            return None
+        scheme, _, token = authorization.strip().partition(" ")
+        return self.identify(token.strip()) if scheme.lower() == "bearer" else None
 
     def verify_header(self, authorization: str | None) -> bool:
         """Check an `Authorization: Bearer <key>` header value."""
-        if not authorization:
-            return False
-        scheme, _, token = authorization.strip().partition(" ")
-        return scheme.lower() == "bearer" and self.verify(token.strip())
+        return self.identify_header(authorization) is not None
 
 
 def auth_middleware(keys: ApiKeys) -> Middleware:
@@ -93,7 +127,9 @@ def auth_middleware(keys: ApiKeys) -> Middleware:
         if request.path in PUBLIC_PATHS:
             return await handler(request)
         header = request.headers.get("Authorization")
-        if keys.verify_header(header):
+        tenant = keys.identify_header(header)
+        if tenant is not None:
+            request[TENANT] = tenant
             return await handler(request)
         message = (
             "Incorrect API key provided."

@@ -24,7 +24,11 @@ from powerbatch.control.loop import (
     LimitsSink,
     PlanSource,
     TickRecord,
+    json_safe,
 )
+from powerbatch.energy.accounting import EnergyAccounting
+from powerbatch.energy.settings import EnergySettings
+from powerbatch.estimate import Features
 from powerbatch.proxy.metrics import ProxyMetrics
 from powerbatch.telemetry import PowerMonitor, UpstreamMetricsScraper, UpstreamSignals
 from powerbatch.telemetry.limiter import LimitActuator
@@ -148,6 +152,7 @@ class Governor:
         actuator: LimitActuator | None = None,
         ceiling: CeilingSource | None = None,
         plan: PlanSource | None = None,
+        energy: EnergySettings | None = None,
     ) -> None:
         self.controller = controller
         self.queue = queue
@@ -159,11 +164,14 @@ class Governor:
         self.features = ProxyFeatures(
             queue, metrics, self.latency, controller.config.interactive_classes
         )
+        self.energy = EnergyAccounting(
+            monitor, controller, metrics.energy, energy, features=self._last_features
+        )
         self.loop = ControlLoop(
             controller,
             monitor,
             self.features,
-            [AdmissionSink(queue, controller), *extra_sinks],
+            [AdmissionSink(queue, controller), self.energy, *extra_sinks],
             metrics,
             window_s=window_s,
             source_averages=source_averages,
@@ -174,6 +182,10 @@ class Governor:
             plan=plan,
         )
         self._scrape_task: asyncio.Task[None] | None = None
+
+    def _last_features(self) -> Features | None:
+        history = self.loop.history
+        return history[-1].features if history else None
 
     # What the request path touches: kept as attributes so a request costs no indirection.
     @property
@@ -220,7 +232,9 @@ class Governor:
         return self.loop.tick(t_s)
 
     def status(self) -> dict[str, Any]:
-        return self.loop.status()
+        doc = self.loop.status()
+        doc["energy"] = json_safe(self.energy.status())
+        return doc
 
     def trace_rows(self) -> list[TraceRow]:
         return self.loop.trace_rows()

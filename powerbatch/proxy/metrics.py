@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from powerbatch.admission import PRIORITIES, REJECTION_REASONS
 from powerbatch.control.metrics import ControlMetrics
+from powerbatch.energy.metrics import EnergyMetrics
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 _TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
@@ -78,6 +79,7 @@ class ProxyMetrics(ControlMetrics):
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.energy = EnergyMetrics(r)
         # Create every labelled child up front so dashboards see zeros, not gaps, and rate()
         # sees a counter's first increase: a series born at 1 has no earlier sample to rise from.
         for p in PRIORITIES:

@@ -29,6 +29,8 @@ class RequestInfo:
     stream: bool
     prompt_tokens: int
     max_tokens: int
+    model: str = ""
+    include_usage: bool = False  # a stream whose client asked for a final usage chunk
 
     @property
     def kv_tokens(self) -> int:
@@ -100,10 +102,13 @@ def _parse(raw: bytes, chat: bool, default_max_tokens: int, max_tokens_limit: in
     max_tokens = _positive_int(body, "max_completion_tokens", max_tokens_limit)
     if max_tokens is None:
         max_tokens = _positive_int(body, "max_tokens", max_tokens_limit)
+    options = body.get("stream_options")
     return RequestInfo(
         stream=stream,
         prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        model=body.get("model", ""),
+        include_usage=isinstance(options, dict) and options.get("include_usage") is True,
     )
 
 
@@ -157,4 +162,9 @@ def parse_pooling_request(raw: bytes) -> RequestInfo:
         chars += sum(_input_len(d) for d in docs)
     except RecursionError as exc:
         raise BadRequest("request body is nested too deeply") from exc
-    return RequestInfo(stream=False, prompt_tokens=max(1, chars // CHARS_PER_TOKEN), max_tokens=0)
+    return RequestInfo(
+        stream=False,
+        prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
+        max_tokens=0,
+        model=body.get("model", ""),
+    )

@@ -46,6 +46,23 @@ class ProxySettings:
         None, "send this key upstream instead of the client's Authorization", secret=True
     )
     drain_grace_s: float = setting(30.0, "on SIGTERM, time given to in-flight requests, s", ge=0)
+    tenants: tuple[str, ...] = setting(
+        (),
+        "tenant names counted on their own in the energy metrics; others count as `other`",
+        default_doc="the names the API keys carry",
+    )
+    models: tuple[str, ...] = setting(
+        (),
+        "model names counted on their own in the energy metrics; others count as `other`",
+        default_doc="the first max_models seen",
+    )
+    max_models: int = setting(8, "with no models set, how many model names are counted", ge=0)
+    energy_header: bool = setting(
+        False, "add x-powerbatch-energy-j (the request's joules) to non-streamed answers"
+    )
+    access_log: bool = setting(
+        False, "log a line per answered request at INFO: class, tenant, tokens, joules, time"
+    )
 
     def __post_init__(self) -> None:
         check_bounds(self)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from powerbatch.control import ControlConfig, prior_max_w
 from powerbatch.control.config import TraceSettings
+from powerbatch.energy.settings import EnergySettings
 from powerbatch.errors import ConfigError
 from powerbatch.fleet.settings import FleetSettings
 from powerbatch.settings import Surface, check_bounds, load, setting
@@ -58,6 +59,7 @@ class PluginConfig:
     limiter: LimiterSettings = dataclasses.field(default_factory=LimiterSettings)
     shape: ShapeSettings = dataclasses.field(default_factory=ShapeSettings)
     fleet: FleetSettings = dataclasses.field(default_factory=FleetSettings)
+    energy: EnergySettings = dataclasses.field(default_factory=EnergySettings)
 
     def __post_init__(self) -> None:
         self.power.check_ceiling(self.control.ceiling_w)

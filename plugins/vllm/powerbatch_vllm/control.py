@@ -17,7 +17,8 @@ import threading
 from typing import Any
 
 from powerbatch.control import ControlConfig, Controller, Decision, LatencySnapshot
-from powerbatch.control.loop import ControlLoop, HostSample, open_trace
+from powerbatch.control.loop import ControlLoop, HostSample, json_safe, open_trace
+from powerbatch.energy.accounting import EnergyAccounting
 from powerbatch.errors import ConfigError
 from powerbatch.fleet import attach, join
 from powerbatch.telemetry import (
@@ -31,6 +32,7 @@ from powerbatch.telemetry import (
 from powerbatch.telemetry.limiter import make_actuator
 from powerbatch.telemetry.zeusd import ZeusdPowerSource
 from powerbatch_vllm.config import ENV_PREFIX, PluginConfig
+from powerbatch_vllm.energy import EngineEnergy
 from powerbatch_vllm.engine import EngineCaps, EngineLimits, StepStats, engine_limits
 from powerbatch_vllm.metrics import PluginMetrics, StatusServer, dcgm_text
 
@@ -201,6 +203,7 @@ class ControlThread:
         dp_rank: int = 0,
         source: PowerSource | None = None,
         history_len: int = 36_000,
+        model_name: str = "",
     ) -> None:
         self.cfg, self.caps, self.stats = cfg, caps, stats
         self.kind = "custom" if source is not None else source_kind(cfg)
@@ -230,11 +233,12 @@ class ControlThread:
         averaged = self.kind == "dcgm" and "INSTANT" not in cfg.power.dcgm_metric.upper()
         # A fleet member's Redis task runs on this thread's loop, started by the first tick.
         member = join(cfg.fleet, cfg.engine.metrics_port + dp_rank)
+        self.energy = _energy_accounting(self, model_name)
         self.loop = ControlLoop(
             self.controller,
             self.monitor,
             self.features,
-            [self.sink],
+            [self.sink, self.energy],
             m,
             source_averages=averaged,
             history_len=history_len,
@@ -320,4 +324,14 @@ class ControlThread:
         return dcgm_text(self.monitor.snapshot().raw_w, gpu, name)
 
     def status(self) -> dict[str, Any]:
-        return self.loop.status()
+        doc = self.loop.status()
+        doc["energy"] = json_safe(self.energy.status())
+        return doc
+
+
+def _energy_accounting(ct: ControlThread, model_name: str) -> EnergyAccounting:
+    """Energy per request from the engine's steps (powerbatch_vllm.energy), settled each tick."""
+    engine = EngineEnergy(ct.stats, model_name or "unknown")
+    return EnergyAccounting(
+        ct.monitor, ct.controller, ct.metrics.energy, ct.cfg.energy, pull=engine.pull
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from powerbatch.control import LatencySnapshot, LatencyWindow, Limits
@@ -121,6 +121,10 @@ class StepStats:
         self.kv_committed_tokens = 0
         self.step_s: float | None = None  # EWMA of the interval between busy steps
         self._last_busy_t: float | None = None
+        # Per-request work since the last `take_requests()`, for energy attribution.
+        self._req_work: dict[str, list[int]] = {}  # req_id -> [prefill, decode]
+        self._req_class: dict[str, str] = {}
+        self._req_done: list[str] = []
         # window sums since the last `take_window()`
         self._w_steps = 0
         self._w_decode_reqs = 0
@@ -163,6 +167,33 @@ class StepStats:
                     if decode_reqs:
                         self._latency.record(now, LATENCY_CLASS, None, dt)
             self._last_busy_t = now
+
+    def record_requests(
+        self,
+        work: dict[str, tuple[int, int]],
+        classes: dict[str, str],
+        finished: Iterable[str] = (),
+    ) -> None:
+        """One step's tokens per request (prefill, decode), the classes of requests new to the
+        step, and requests that finished: the energy ledger's input."""
+        with self._lock:
+            acc = self._req_work
+            for req_id, (prefill, decode) in work.items():
+                row = acc.get(req_id)
+                if row is None:
+                    acc[req_id] = [prefill, decode]
+                else:
+                    row[0] += prefill
+                    row[1] += decode
+            self._req_class.update(classes)
+            self._req_done.extend(finished)
+
+    def take_requests(self) -> tuple[dict[str, list[int]], dict[str, str], list[str]]:
+        """Work, classes and finished requests since the last call."""
+        with self._lock:
+            out = (self._req_work, self._req_class, self._req_done)
+            self._req_work, self._req_class, self._req_done = {}, {}, []
+            return out
 
     def record_first_tokens(self, ttfts_s: list[float], t_s: float | None = None) -> None:
         """Times to first token of requests whose first token the last step produced."""

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from powerbatch.control.metrics import ControlMetrics
+from powerbatch.energy.metrics import EnergyMetrics
 
 log = logging.getLogger("vllm.powerbatch")
 
@@ -56,6 +57,7 @@ class PluginMetrics(ControlMetrics):
         self.step_s = Gauge(
             "powerbatch_engine_step_seconds", "Smoothed interval between busy steps", registry=r
         )
+        self.energy = EnergyMetrics(r)
 
 
 def _json(obj: Any) -> bytes:

@@ -33,6 +33,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from powerbatch_vllm.config import load_config  # noqa: E402
 from powerbatch_vllm.control import ControlThread  # noqa: E402
+from powerbatch_vllm.energy import priority_class  # noqa: E402
 from powerbatch_vllm.engine import EngineCaps, StepStats  # noqa: E402
 
 log = logging.getLogger("vllm.powerbatch")
@@ -84,7 +85,12 @@ class _PowerbatchMixin:
         self._pb_first_token_sched_t = 0.0
         parallel = s.vllm_config.parallel_config
         dp_rank = int(getattr(parallel, "data_parallel_index", parallel.data_parallel_rank) or 0)
-        self._pb = ControlThread(cfg, self._pb_caps, self._pb_stats, dp_rank=dp_rank)
+        model = s.vllm_config.model_config
+        names = getattr(model, "served_model_name", None) or getattr(model, "model", "")
+        model_name = str(names[0] if isinstance(names, list | tuple) and names else names)
+        self._pb = ControlThread(
+            cfg, self._pb_caps, self._pb_stats, dp_rank=dp_rank, model_name=model_name
+        )
         # The KV cap gates admissions inside vLLM's own allocation call, so a refused request
         # takes exactly vLLM's "no room" path (stop admitting this step), nothing new.
         s.kv_cache_manager.allocate_slots = self._pb_wrap_allocate(
@@ -142,12 +148,16 @@ class _PowerbatchMixin:
         s: Any = self
         threshold = self._pb_caps.tokens_per_decode
         prefill = decode = decode_reqs = 0
-        for n in out.num_scheduled_tokens.values():
+        work: dict[str, tuple[int, int]] = {}
+        for req_id, n in out.num_scheduled_tokens.items():
             if n > threshold:
                 prefill += n
+                work[req_id] = (n, 0)
             else:
                 decode += n
                 decode_reqs += 1
+                work[req_id] = (0, n)
+        self._pb_record_requests(out, work)
         # The KV cap is on what the running set will hold (prompt + max_tokens, as the proxy
         # counts), not on blocks in use now: a cap on current use would lock in a low level,
         # since requests still in prefill hold few blocks.
@@ -164,6 +174,17 @@ class _PowerbatchMixin:
             kv_blocks_used=self._pb_caps.num_kv_blocks - free,
             kv_committed_tokens=self._pb_committed,
         )
+
+    def _pb_record_requests(self, out: Any, work: dict[str, tuple[int, int]]) -> None:
+        """Per-request tokens of this step, for the energy ledger (powerbatch_vllm.energy)."""
+        s: Any = self
+        classes = {}
+        for new in out.scheduled_new_reqs:
+            request = s.requests.get(new.req_id)
+            priority = getattr(request, "priority", None) if request is not None else None
+            classes[new.req_id] = priority_class(priority)
+        finished = getattr(out, "finished_req_ids", None) or ()
+        self._pb_stats.record_requests(work, classes, finished)
 
     def _pb_track_first_tokens(self, out: Any) -> None:
         """Note requests whose prompt this step completes: their TTFT is known next step.

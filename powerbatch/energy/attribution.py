@@ -1,0 +1,206 @@
+"""The attribution rule: each interval's metered energy, less idle, split by the work done in it.
+
+Pure and clock-free: callers pass times and energies. For one interval of `dt_s` seconds with
+metered energy `delta_j`:
+
+* idle energy is `min(delta_j, idle_w * dt_s)`: what the GPUs would draw with nothing to do. It
+  is reported on its own and never charged to a request (so a request's joules do not depend on
+  how busy the server was when it ran);
+* the rest is split over the requests in flight in proportion to their work units in the
+  interval: `prefill_weight * prompt tokens prefilled + tokens generated`. In a continuous
+  batch every running request advances by one token per step, so generated tokens measure each
+  request's share of the steps; a prompt token costs `prefill_weight` of a generated one
+  (compute-bound prefill spreads a step's energy over many more tokens);
+* a request whose tokens the host cannot see as they are made (a non-streamed answer arrives
+  whole) is charged an estimate: the mean generated tokens of the requests that were seen
+  decoding in the interval, or one token when none was;
+* with no work in flight at all, everything metered is idle.
+
+So attributed + idle equals metered in every interval (to float rounding).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Labels = tuple[str, str, str]
+"""(priority, tenant, model): what a request's energy is totalled by."""
+
+DEFAULT_PREFILL_WEIGHT = 0.25
+"""Energy of a prompt token relative to a generated token, where the power model cannot say.
+
+From published figures for Llama-3.1-8B on one H100 SXM: compute-bound prefill runs near the
+power limit ("Illusion of Power Capping in LLM Decode", arXiv 2605.11999) at about 25,000 tokens/s
+(2 x 8e9 FLOP per token at 40% of the 989 TFLOP/s bf16 peak, NVIDIA's datasheet), about
+665 W / 25,000 = 0.027 J per prompt token; decode at batch 64 draws about 620 W at an 11 ms step
+(the ML.ENERGY leaderboard fits in GPU-to-Grid, arXiv 2602.05116), 620 W x 0.011 s / 64 = 0.11 J
+per generated token. 0.027 / 0.11 is about 0.25.
+"""
+
+# A learned weight outside this range is noise (a coefficient fitted on too little prefill).
+_WEIGHT_RANGE = (0.01, 10.0)
+
+
+@dataclass(slots=True, eq=False)
+class RequestEnergy:
+    """One request's account: work in the open interval, and joules charged so far.
+
+    The host adds work as it sees it (`add`), marks the request `finished`, and reads
+    `energy_j` after the interval that includes its end has been settled.
+    """
+
+    labels: Labels
+    observed: bool = True  # False: its tokens are not seen as they come (estimated)
+    prefill_tokens: float = 0.0
+    decode_tokens: float = 0.0
+    energy_j: float = 0.0
+    finished: bool = False
+
+    def add(self, prefill_tokens: float = 0.0, decode_tokens: float = 0.0) -> None:
+        self.prefill_tokens += prefill_tokens
+        self.decode_tokens += decode_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class IntervalSplit:
+    """One settled interval: metered = idle + the sum of the charges."""
+
+    dt_s: float
+    metered_j: float
+    idle_j: float
+    charges_j: tuple[float, ...]  # one per request in flight, in the ledger's order
+
+    @property
+    def attributed_j(self) -> float:
+        return math.fsum(self.charges_j)
+
+
+def split_energy(
+    delta_j: float, dt_s: float, idle_w: float, units: Sequence[float]
+) -> tuple[float, list[float]]:
+    """(idle joules, each request's joules) for one interval; see the module's docstring."""
+    delta_j = max(0.0, delta_j)
+    idle_j = min(delta_j, max(0.0, idle_w) * max(0.0, dt_s))
+    total = math.fsum(units)
+    if total <= 0.0:
+        return delta_j, [0.0] * len(units)
+    rest_j = delta_j - idle_j
+    return idle_j, [rest_j * u / total for u in units]
+
+
+def work_units(requests: Sequence[RequestEnergy], prefill_weight: float) -> list[float]:
+    """Each request's work in the open interval, unseen decoding estimated (module docstring)."""
+    seen = [r.decode_tokens for r in requests if r.observed and r.decode_tokens > 0]
+    estimate = math.fsum(seen) / len(seen) if seen else 1.0
+    return [
+        prefill_weight * r.prefill_tokens + (r.decode_tokens if r.observed else estimate)
+        for r in requests
+    ]
+
+
+def learned_prefill_weight(
+    prefill_j_per_token: float, busy_w: float, decode_tok_s: float
+) -> float | None:
+    """The weight from a fitted power model, or None where it cannot be trusted.
+
+    `prefill_j_per_token` is the model's marginal watts per prompt token/s (W per token/s is
+    J per token); `busy_w` the modelled power above idle with prefill taken out, spent on
+    `decode_tok_s` generated tokens per second.
+    """
+    if not (busy_w > 0 and decode_tok_s > 0 and prefill_j_per_token > 0):
+        return None
+    weight = prefill_j_per_token / (busy_w / decode_tok_s)
+    lo, hi = _WEIGHT_RANGE
+    return weight if lo <= weight <= hi else None
+
+
+class EnergyLedger:
+    """The requests in flight and the running totals, settled one interval at a time."""
+
+    def __init__(self, prefill_weight: float = DEFAULT_PREFILL_WEIGHT) -> None:
+        self.prefill_weight = prefill_weight
+        self._live: list[RequestEnergy] = []
+        self.totals_j: dict[Labels, float] = {}
+        self.idle_j = 0.0
+        self.metered_j = 0.0
+
+    def begin(
+        self, labels: Labels, *, observed: bool = True, prefill_tokens: float = 0.0
+    ) -> RequestEnergy:
+        rec = RequestEnergy(labels, observed, prefill_tokens=prefill_tokens)
+        self._live.append(rec)
+        return rec
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._live)
+
+    @property
+    def live(self) -> tuple[RequestEnergy, ...]:
+        """The requests of the open interval, in the order `settle` charges them."""
+        return tuple(self._live)
+
+    def settle(self, delta_j: float, dt_s: float, idle_w: float) -> IntervalSplit:
+        """Charge the interval that ends now; drop the requests that finished within it."""
+        live = self._live
+        units = work_units(live, self.prefill_weight)
+        idle_j, charges = split_energy(delta_j, dt_s, idle_w, units)
+        totals = self.totals_j
+        for rec, j in zip(live, charges, strict=True):
+            rec.energy_j += j
+            rec.prefill_tokens = rec.decode_tokens = 0.0
+            totals[rec.labels] = totals.get(rec.labels, 0.0) + j
+        self.idle_j += idle_j
+        self.metered_j += max(0.0, delta_j)
+        if any(r.finished for r in live):
+            self._live = [r for r in live if not r.finished]
+        return IntervalSplit(dt_s, max(0.0, delta_j), idle_j, tuple(charges))
+
+
+class EnergyMeter:
+    """The energy metered between calls, from a power reading.
+
+    Where the source has an energy counter, its increase is used, carried forward from the
+    counter's sample to now at the sample's power (a counter is read at the poll rate, an
+    interval may end between polls); an overshoot is taken back from the next interval, never
+    made negative, so the sum over intervals follows the counter, across sensor gaps too.
+    Without a counter: power x dt, and a gap with no trusted reading is unmetered (counted in
+    `unmetered_s`).
+    """
+
+    def __init__(self) -> None:
+        self._t_s: float | None = None
+        self._counter_j: float | None = None  # the counter's last raw value
+        self._metered_to_j: float | None = None  # the counter scale reached so far
+        self.unmetered_s = 0.0
+
+    def advance(
+        self,
+        t_s: float,
+        power_w: float | None,
+        energy_j: float | None = None,
+        energy_age_s: float = 0.0,
+    ) -> tuple[float, float]:
+        """(joules, seconds) since the last call; the first call starts the meter at zero."""
+        dt_s = 0.0 if self._t_s is None else max(0.0, t_s - self._t_s)
+        self._t_s = t_s
+        if power_w is None or not math.isfinite(power_w):
+            # No trusted reading now. A counter keeps counting: the gap's energy comes with
+            # the next good reading. Without one, the gap is lost.
+            if self._metered_to_j is None:
+                self.unmetered_s += dt_s
+            return 0.0, dt_s
+        if energy_j is None or not math.isfinite(energy_j):
+            self._counter_j = self._metered_to_j = None
+            return power_w * dt_s, dt_s
+        now_j = energy_j + power_w * max(0.0, energy_age_s)
+        last = self._metered_to_j
+        if last is None or self._counter_j is None or energy_j < self._counter_j:
+            # First reading of a counter, or it went back (a reset): start from here.
+            self._counter_j, self._metered_to_j = energy_j, now_j
+            return power_w * dt_s, dt_s
+        self._counter_j = energy_j
+        self._metered_to_j = max(last, now_j)
+        return max(0.0, now_j - last), dt_s
