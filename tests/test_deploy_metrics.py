@@ -250,8 +250,9 @@ def test_metrics_doc_names_only_exported_metrics() -> None:
 
 def _label_names(family_name: str) -> tuple[str, ...]:
     metrics = ProxyMetrics()
-    # Metrics are attributes of ProxyMetrics, or of a section of it (metrics.shape).
+    # Metrics are attributes of ProxyMetrics, or of a section of it (shape, energy).
     values = [*vars(metrics).values(), *vars(metrics.shape).values()]
+    values += vars(metrics.energy).values()
     for value in values:
         if getattr(value, "_name", None) in (family_name, family_name.removesuffix("_total")):
             return tuple(value._labelnames)
