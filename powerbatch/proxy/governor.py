@@ -184,7 +184,9 @@ class Governor:
         self._scrape_task: asyncio.Task[None] | None = None
 
     def _last_features(self) -> Features | None:
-        history = self.loop.history
+        # Asked for while the loop is built too (a model restored with its window full).
+        loop: ControlLoop | None = getattr(self, "loop", None)
+        history = loop.history if loop is not None else None
         return history[-1].features if history else None
 
     # What the request path touches: kept as attributes so a request costs no indirection.
