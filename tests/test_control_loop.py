@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import run
+from conftest import FuncPowerSource, run
 from faults import running_proxy, upstream
 
 from powerbatch.admission import AdmissionQueue
@@ -261,19 +261,12 @@ def test_a_tick_that_raises_holds_the_safe_batch_on_every_sink() -> None:
 # -- the plugin on the same loop ------------------------------------------------------------
 
 
-class Watts:
-    name = "scripted"
+class Watts(FuncPowerSource):
+    """A sensor set by hand: `w` watts, or a failed read while it is None."""
 
     def __init__(self, w: float | None) -> None:
         self.w = w
-
-    async def read(self) -> PowerSample:
-        if self.w is None:
-            raise SensorReadError("scripted failure")
-        return PowerSample(time.monotonic(), self.w)
-
-    async def close(self) -> None:
-        return None
+        super().__init__(lambda: self.w)
 
 
 def _steps(stats: StepStats, stop: threading.Event, running: int = 24) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import FuncPowerSource
 
 try:
     import powerbatch_vllm  # noqa: F401
@@ -29,9 +30,8 @@ from powerbatch_vllm.metrics import dcgm_text
 from powerbatch_vllm.plugin import _in_use
 
 from powerbatch.control import Limits
-from powerbatch.errors import ConfigError, SensorReadError
+from powerbatch.errors import ConfigError
 from powerbatch.settings import load
-from powerbatch.telemetry import PowerSample
 
 
 def plugin_config(**flat: Any) -> PluginConfig:
@@ -189,19 +189,12 @@ def test_step_stats_latency() -> None:
 # -- the control thread's tick, driven by hand ----------------------------------------------
 
 
-class Watts:
-    name = "scripted"
+class Watts(FuncPowerSource):
+    """A sensor set by hand: `w` watts, or a failed read while it is None."""
 
     def __init__(self, w: float | None) -> None:
         self.w = w
-
-    async def read(self) -> PowerSample:
-        if self.w is None:
-            raise SensorReadError("scripted failure")
-        return PowerSample(time.monotonic(), self.w)
-
-    async def close(self) -> None:
-        return None
+        super().__init__(lambda: self.w)
 
 
 def _thread(mode: str, watts: Watts) -> ControlThread:
