@@ -163,6 +163,13 @@ def plot_runs(runs: list[RunData], path: Path, title: str) -> Path:
         ax.plot(t, p, label=f"{run.arm}: 1-s power", lw=1.4)
     ceiling = runs[0].ceiling_w
     ax.axhline(ceiling, color="red", ls="--", lw=1.2, label=f"ceiling {ceiling:.0f} W")
+    for run in runs:  # the second actuator, where one was in force
+        h = run.history
+        limit = h.get("power_limit_w") if h else None
+        if h and limit and any(x is not None for x in limit):
+            t = np.asarray(h["t_s"], float) - run.t0_s
+            y = np.asarray([np.nan if x is None else x for x in limit], float)
+            ax.step(t, y, where="post", lw=1.0, ls=":", label=f"{run.arm}: device power limit")
     prof = runs[0].profile
     rates = [ph.rate_rps for ph in prof.phases]
     t_grid = np.arange(0, runs[0].load_s, 0.5)

@@ -108,6 +108,7 @@ class TickRecord:
     state: str
     features: Features
     plan_w: float | None = None  # the shape planner's power for this second
+    power_limit_w: float | None = None  # the device limit in force (None: none, or degraded)
 
     def as_dict(self) -> dict[str, Any]:
         """Flat and strict-JSON-safe (non-finite numbers become None)."""
@@ -422,6 +423,7 @@ class ControlLoop:
             state=d.state,
             features=features,
             plan_w=plan_w,
+            power_limit_w=self._limit_in_force_w(),
         )
         self.history.append(record)
         if self.trace is not None:
