@@ -70,7 +70,13 @@ SERVE = Surface(
     env_prefix="POWERBATCH_",
     config_env="POWERBATCH_CONFIG",
     table="powerbatch",
-    # The container's health check URL (Dockerfile) and the plugin's own settings.
-    other_env=("POWERBATCH_HEALTH_URL",),
+    # Not settings of serve: the container's health check URL (Dockerfile), the compose file's
+    # image and user, the local Grafana's dashboard folder; and the plugin's own settings.
+    other_env=(
+        "POWERBATCH_HEALTH_URL",
+        "POWERBATCH_IMAGE",
+        "POWERBATCH_UID",
+        "POWERBATCH_DASHBOARDS",
+    ),
     other_prefixes=("POWERBATCH_VLLM_",),
 )

@@ -109,7 +109,7 @@ def vllm_server(
             "VLLM_CPU_CI_ENV": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "POWERBATCH_VLLM_METRICS_PORT": str(plugin_port),
-            "POWERBATCH_VLLM_TRACE_PATH": str(OUT / f"{name}-engine-trace.csv"),
+            "POWERBATCH_VLLM_RECORD_TRACE": str(OUT / f"{name}-engine-trace.csv"),
         }
         | plugin_env
     )
