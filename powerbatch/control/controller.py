@@ -298,7 +298,7 @@ class Controller:
         # Between pace_min and pace_max x the steady flow: less starves the batch it is meant
         # to feed, more lets a burst of prompts through as a burst of watts.
         g = cfg.gains
-        rates = steady * np.linspace(g.pace_min, g.pace_max, 4)
+        rates = steady * np.geomspace(g.pace_min, g.pace_max, 3)
         at_batch = self._shape.scaled(float(batch))
         upper = self.model.predict([at_batch.with_prefill(float(r)) for r in rates]).upper_w
         ok = rates[upper <= target_w]
