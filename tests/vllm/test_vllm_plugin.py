@@ -369,8 +369,8 @@ def test_scheduler_plugin_holds_ceiling_in_real_vllm() -> None:
         assert 0.5 * itl <= med(heavy, "tpot_p95_s") <= 5.0 * itl + 0.05, (itl, own)
 
         status = json.loads(_get(server.plugin_url + "/status"))
-        assert status["power"]["source"] == "model"
-        assert status["limits"]["configured"]["max_active_reqs"] == MAX_NUM_SEQS
+        assert status["power"]["source"].startswith("model")
+        assert status["engine"]["configured"]["max_active_reqs"] == MAX_NUM_SEQS
 
 
 def test_proxy_in_front_of_real_vllm_holds_ceiling() -> None:
