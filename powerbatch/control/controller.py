@@ -243,22 +243,12 @@ class Controller:
         return max(n_grow, probe if anchored_upper(probe) <= room_w else current)
 
     def _meter_spread_w(self) -> float:
-        """The upper quantile of one 1-second reading's noise, from the last `meter_window_s`.
-
-        Measured on the changes between readings a second apart (disjoint 1-s windows), with a
-        median absolute deviation: a step in the load's level (a burst that ends) is not noise,
-        and a spread taken around the window's mean would count it as noise for as long as the
-        step stays in the window, holding the batch back for no reason.
-        """
+        """The upper quantile of recent 1-second power around its mean (`meter_window_s`)."""
         p = self._recent_power
-        lag = max(1, round(self.config.tick_hz))
-        if len(p) < 20 + lag:
+        if len(p) < 20:
             return math.inf
         values = np.fromiter((w for _, w in p), float, len(p))
-        steps = values[lag:] - values[:-lag]
-        # MAD x 1.4826 estimates a Gaussian sd; a difference of two readings has sqrt(2) of it.
-        sd_w = 1.4826 * float(np.median(np.abs(steps - np.median(steps)))) / math.sqrt(2.0)
-        return float(stats_t_quantile(self.config.confidence, len(steps) - 1) * sd_w)
+        return float(stats_t_quantile(self.config.confidence, len(p) - 1) * values.std(ddof=1))
 
     def _recent_peak_demand(self, t_s: float, demand: int) -> int:
         self._demand.append((t_s, demand))
