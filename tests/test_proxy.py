@@ -35,9 +35,13 @@ def options(upstream: str, **overrides: Any) -> ServeSettings:
 
 
 async def _with_stack(
-    body: Callable[[SimServer, str, Governor], Awaitable[Any]], **overrides: Any
+    body: Callable[[SimServer, str, Governor], Awaitable[Any]],
+    *,
+    stream_interval_tokens: int = 1,
+    **overrides: Any,
 ) -> Any:
-    sim = await start_sim_server(SimEngine(seed=3), stream_interval_tokens=1)
+    """The simulator with the proxy built from settings in front: run `body`, then clean up."""
+    sim = await start_sim_server(SimEngine(seed=3), stream_interval_tokens=stream_interval_tokens)
     app, gov = build(options(sim.url, **overrides))
     runner, url = await serve(app)
     try:

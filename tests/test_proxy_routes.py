@@ -4,36 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import aiohttp
 from aiohttp import web
 from conftest import run, serve
 from faults import Behaviour, chat_body, running_proxy, upstream
 from prometheus_client.parser import text_string_to_metric_families
-from test_proxy import options
+from test_proxy import _with_stack
 
 from powerbatch.admission import PRIORITIES, REJECTION_REASONS
-from powerbatch.cli.serve import build
 from powerbatch.proxy import Governor
 from powerbatch.proxy.app import POOLING_PATHS
 from powerbatch.proxy.parse import parse_pooling_request
 from powerbatch.sim import SimEngine
 from powerbatch.sim.server import EMBEDDING_DIM, SimServer, start_sim_server
-
-
-async def _stack(
-    body: Callable[[SimServer, str, Governor], Awaitable[Any]], **overrides: Any
-) -> Any:
-    sim = await start_sim_server(SimEngine(seed=3), stream_interval_tokens=4)
-    app, gov = build(options(sim.url, **overrides))
-    runner, url = await serve(app)
-    try:
-        return await body(sim, url, gov)
-    finally:
-        await runner.cleanup()
-        await sim.close()
 
 
 def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
@@ -59,7 +43,7 @@ def test_a_fresh_proxy_exports_every_rejection_series_at_zero() -> None:
         }
         assert got == want
 
-    run(_stack(body))
+    run(_with_stack(body, stream_interval_tokens=4))
 
 
 def _outcome(gov: Governor, outcome: str) -> float | None:
