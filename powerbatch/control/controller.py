@@ -239,8 +239,10 @@ class Controller:
         if power_w >= room_w:
             return current
         n_grow = self._largest_batch_under(upper_w, room_w)
-        probe = current + step
-        return max(n_grow, probe if anchored_upper(probe) <= room_w else current)
+        # A step that overshoots the room must not stop the one request that fits (a boosted
+        # step under a long queue); one, not as many as fit, since the anchor is one reading.
+        probe = next((n for n in (current + step, current + 1) if anchored_upper(n) <= room_w), 0)
+        return max(n_grow, probe, current)
 
     def _meter_spread_w(self) -> float:
         """The upper quantile of recent 1-second power around its mean (`meter_window_s`)."""
