@@ -150,8 +150,37 @@ def test_step_stats_windows() -> None:
     batch, prefill, kv = s.take_window()
     assert (batch, prefill, kv) == (6.0, 40.0, 21.5)
     assert s.step_s == pytest.approx(0.01)
+    # No step scheduled in this window, but the last one has not returned: it is running.
+    assert s.take_window() == (6.0, 40.0, 23.0)
+    for _ in range(4):
+        s.step_done()
     assert s.take_window() == (0.0, 0.0, 23.0)  # idle window: no work, KV as it stands
     assert s.snapshot()["prefill_tokens_total"] == 160
+
+
+def test_a_long_step_draws_its_power_until_it_returns() -> None:
+    """A long prefill step (seconds on a slow device) is one schedule() call: the windows read
+    while it runs must model the step's power, not idle. Idle readings in the middle of a
+    burst taught the proxy in front of a real vLLM that 64 requests drew 78 W."""
+    from powerbatch.sim.power_source import ModelPowerSource
+
+    s = StepStats()
+    s.record(
+        running=64,
+        waiting=0,
+        decode_reqs=0,
+        decode_tokens=0,
+        prefill_tokens=2048,
+        kv_blocks_used=300,
+        t_s=0.0,
+    )
+    source = ModelPowerSource(
+        lambda: (lambda b, p, k: (round(b), p, round(k * 16)))(*s.take_window())
+    )
+    busy_w = [asyncio.run(source.read()).power_w for _ in range(3)]  # three reads mid-step
+    s.step_done()
+    idle_w = asyncio.run(source.read()).power_w
+    assert min(busy_w) > 3 * idle_w, (busy_w, idle_w)
 
 
 def test_step_stats_latency() -> None:

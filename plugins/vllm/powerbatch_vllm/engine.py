@@ -125,6 +125,10 @@ class StepStats:
         self._req_work: dict[str, list[int]] = {}  # req_id -> [prefill, decode]
         self._req_class: dict[str, str] = {}
         self._req_done: list[str] = []
+        # Steps scheduled and not yet returned, and the shape of the newest: while a step runs
+        # (a long prefill may take seconds), the device draws its power, not idle.
+        self._steps_pending = 0
+        self._running_shape = (0.0, 0.0, 0.0)
         # window sums since the last `take_window()`
         self._w_steps = 0
         self._w_decode_reqs = 0
@@ -154,6 +158,8 @@ class StepStats:
                 self._last_busy_t = None
                 return
             self.steps_total += 1
+            self._steps_pending += 1
+            self._running_shape = (float(decode_reqs), float(prefill_tokens), float(kv_blocks_used))
             self.prefill_tokens_total += prefill_tokens
             self.decode_tokens_total += decode_tokens
             self._w_steps += 1
@@ -167,6 +173,11 @@ class StepStats:
                     if decode_reqs:
                         self._latency.record(now, LATENCY_CLASS, None, dt)
             self._last_busy_t = now
+
+    def step_done(self) -> None:
+        """A scheduled step's output came back (`update_from_output`)."""
+        with self._lock:
+            self._steps_pending = max(0, self._steps_pending - 1)
 
     def record_requests(
         self,
@@ -210,11 +221,15 @@ class StepStats:
     def take_window(self) -> tuple[float, float, float]:
         """Means since the last call: (decode batch, prefill tokens per step, KV blocks used).
 
-        With no busy step in the window the engine idled: zero work, KV as it stands now.
+        With no step scheduled in the window, either one step ran through it (its shape: a
+        device draws a step's power until the step returns) or the engine idled (zero work, KV
+        as it stands now).
         """
         with self._lock:
             n = self._w_steps
             if n == 0:
+                if self._steps_pending:
+                    return self._running_shape
                 return 0.0, 0.0, float(self.kv_blocks_used)
             out = (self._w_decode_reqs / n, self._w_prefill / n, self._w_kv_blocks / n)
             self._w_steps = self._w_decode_reqs = self._w_prefill = self._w_kv_blocks = 0

@@ -215,7 +215,7 @@ class _PowerbatchMixin:
         if pb is not None:
             pb.stop()
 
-    # The three overrides, written once: the mixin comes first in each flavour's bases, so
+    # The four overrides, written once: the mixin comes first in each flavour's bases, so
     # super() is vLLM's Scheduler or AsyncScheduler.
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -225,6 +225,11 @@ class _PowerbatchMixin:
         self._pb_before()
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         self._pb_after(out)
+        return out
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        self._pb_stats.step_done()
         return out
 
     def shutdown(self) -> None:
