@@ -224,3 +224,27 @@ def test_a_plant_whose_token_rate_saturates_is_filled_to_the_ceiling() -> None:
     feasible = max(n for n in range(1, 65) if plant(n) <= 560.0 * 0.97)
     assert np.median(limits) >= feasible - 3, (feasible, limits[-20:])
     assert max(powers) <= 560.0
+
+
+def test_a_stale_latency_window_does_not_collapse_the_batch() -> None:
+    """p95 time per output token comes from a sliding window (30 s by default) that still holds
+    the slow tokens of a batch long after the batch was shrunk. Shrinking again on every tick
+    while that window is stale winds the batch down to 1 (seen in front of a real vLLM: held at
+    1 for 45 s). The law must wait for its last shrink to show before shrinking again."""
+    from powerbatch.control.latency import LatencyWindow
+
+    window = LatencyWindow(window_s=30.0)
+    cfg = ControlConfig(ceiling_w=2000.0, max_batch=256)
+    ctl = Controller(cfg)
+    limit, limits = cfg.initial_batch, []
+    for i in range(150 * 5):
+        t = i / 5
+        batch = limit
+        window.record(t, "normal", 0.5, 0.0025 * batch)  # the SLO (0.1 s) holds up to 40
+        feats = Features(batch, 900.0 * batch, 40.0 * batch, 30.0 * batch)
+        obs = Observation(t, linear(batch), True, feats, batch, 1000, latency=window.snapshot(t))
+        limit = ctl.tick(obs).enforced.max_requests
+        limits.append(limit)
+    late = limits[-150:]
+    assert min(limits[len(limits) // 3 :]) >= 20, min(limits[len(limits) // 3 :])
+    assert np.median(late) <= 48, np.median(late)

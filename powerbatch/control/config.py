@@ -55,12 +55,18 @@ class Gains:
     )
     # Power. The meter's own spread over this window bounds one reading's noise.
     meter_window_s: float = setting(10.0, "window of the meter's recent spread, s", gt=0)
-    # Latency. λ_latency += latency_gain × (p95 TPOT / SLO − 1); while over the SLO the batch
-    # shrinks by latency_shrink × the excess ratio (capped at 1) per tick; while λ is 0 it
+    # Latency. p95 TPOT comes from a sliding window that shows a smaller batch only as its
+    # older samples age out, so while over the SLO the law acts at most once per
+    # latency_hold_s: λ_latency += latency_gain × (p95 TPOT / SLO − 1) and the batch shrinks
+    # by latency_shrink × the excess ratio (capped at 1). Acting every tick on a stale window
+    # winds the batch down to 1. Under the SLO λ decays every tick; once it is 0 the batch
     # regrows by latency_regrow per tick (plus one request).
     latency_gain: float = setting(0.2, "dual ascent step of the latency multiplier", ge=0)
     latency_shrink: float = setting(
-        0.1, "batch shrink per tick per unit of TPOT excess ratio", ge=0, lt=1
+        0.25, "batch shrink per action per unit of TPOT excess ratio", ge=0, lt=1
+    )
+    latency_hold_s: float = setting(
+        10.0, "no second latency shrink before the first can show in the p95, s", ge=0
     )
     latency_regrow: float = setting(
         0.05, "batch regrowth per tick once TPOT is back under its SLO", ge=0

@@ -12,7 +12,8 @@ rises while it is violated and decays while it is slack. Concretely:
   λ_power (watts) is dual ascent on the measured violation, so a model biased low is corrected
   by feedback. A measured breach cuts the batch at once, without waiting for the model.
 * latency: λ_latency rises while p95 time per output token is over its SLO and shrinks the batch
-  multiplicatively; p95 TTFT over its SLO only speeds growth, because the ceiling always wins.
+  multiplicatively, at most once per `latency_hold_s` (the p95's window must first show the
+  smaller batch); p95 TTFT over its SLO only speeds growth, because the ceiling always wins.
 * KV: λ_kv rises while the upstream's KV-cache usage is over target and shrinks the KV cap.
 * device limit (a second actuator, where a limiter is configured): the decision asks for a limit
   of `ceiling × (1 − limit_margin_frac)`, which the driver holds within milliseconds. While a
@@ -153,6 +154,7 @@ class Controller:
         )
         self._demand: deque[tuple[float, int]] = deque()
         self._cut_until_s = -math.inf
+        self._latency_hold_until_s = -math.inf
         self._recent_power: deque[tuple[float, float]] = deque()
         self._bias_w = 0.0  # measured less modelled power at the batch in flight (EWMA)
         self._recent_flight: deque[tuple[float, int]] = deque()  # in flight, for the ramps
@@ -258,19 +260,23 @@ class Controller:
             self._demand.popleft()
         return max(d for _, d in self._demand)
 
-    def _update_latency(self, lat: LatencySnapshot | None, in_flight: int) -> None:
+    def _update_latency(self, t_s: float, lat: LatencySnapshot | None, in_flight: int) -> None:
         cfg, g = self.config, self.config.gains
         tpot = lat.tpot_p95_s if lat else None
         if tpot is not None:
             ratio = tpot / cfg.tpot_slo_s
-            lam = self._lambda["latency"] + g.latency_gain * (ratio - 1.0)
-            self._lambda["latency"] = max(0.0, lam)
             if ratio > 1.0:
-                base = min(self._latency_batch, float(max(in_flight, cfg.min_batch)))
-                self._latency_batch = base * (1.0 - g.latency_shrink * min(ratio - 1.0, 1.0))
-            elif self._lambda["latency"] == 0.0:
-                regrown = self._latency_batch * (1.0 + g.latency_regrow) + 1
-                self._latency_batch = min(float(cfg.max_batch), regrown)
+                if t_s >= self._latency_hold_until_s:
+                    self._latency_hold_until_s = t_s + g.latency_hold_s
+                    self._lambda["latency"] += g.latency_gain * (ratio - 1.0)
+                    base = min(self._latency_batch, float(max(in_flight, cfg.min_batch)))
+                    self._latency_batch = base * (1.0 - g.latency_shrink * min(ratio - 1.0, 1.0))
+            else:
+                lam = self._lambda["latency"] + g.latency_gain * (ratio - 1.0)
+                self._lambda["latency"] = max(0.0, lam)
+                if self._lambda["latency"] == 0.0:
+                    regrown = self._latency_batch * (1.0 + g.latency_regrow) + 1
+                    self._latency_batch = min(float(cfg.max_batch), regrown)
         self._latency_batch = max(float(cfg.min_batch), self._latency_batch)
 
     def _update_kv(self, usage: float | None) -> None:
@@ -471,7 +477,7 @@ class Controller:
         if not warming:
             lam = self._lambda["power"] + g.power_gain * violation_w
             self._lambda["power"] = min(max(lam, 0.0), g.power_lambda_max_frac * ceiling_w)
-            self._update_latency(obs.latency, in_flight)
+            self._update_latency(obs.t_s, obs.latency, in_flight)
             self._update_kv(obs.kv_cache_usage)
         target_w = goal_w - self._lambda["power"]
 
