@@ -22,3 +22,13 @@ def test_power_1s_never_exceeds_what_any_step_draws() -> None:
     assert len(p1) == 20
     assert p1.max() <= 600.0 + 1e-9
     assert abs(np.mean(p1) - e / t) < 10.0
+
+
+def test_binding_share_counts_the_proxys_ticks() -> None:
+    from powerbatch.cli.report import RunData, binding_share
+    from powerbatch.load.profile import PROFILES
+
+    history = {"t_s": [0.0, 0.2, 0.4, 0.6], "binding": ["power", "power", "kv", "none"]}
+    run = RunData("powerbatch", 600.0, PROFILES["bursty"](), 0.0, 1.0, [], {}, history)
+    assert binding_share(run) == {"kv": 0.25, "none": 0.25, "power": 0.5}
+    assert binding_share(RunData("hwcap", 600.0, PROFILES["bursty"](), 0.0, 1.0, [], {})) == {}

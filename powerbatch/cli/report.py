@@ -58,6 +58,16 @@ def power_bound_seconds(run: RunData, n_seconds: int) -> NDArray[np.bool_]:
     return bound
 
 
+def binding_share(run: RunData) -> dict[str, float]:
+    """Share of the proxy's ticks on which each constraint bound the batch: what held work
+    back, where a figure falls short (empty without a proxy)."""
+    h = run.history
+    if not h or not h.get("binding"):
+        return {}
+    names = list(h["binding"])
+    return {b: names.count(b) / len(names) for b in sorted(set(names))}
+
+
 def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
@@ -140,6 +150,7 @@ def summarize(run: RunData, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, A
         "http_503": statuses.count(503),
         "other_errors": len(run.results) - len(ok) - statuses.count(429) - statuses.count(503),
         "latency": latency,
+        "binding_share": binding_share(run),
         **energy_by_class(ok, energy_j),
         "power_1s_w": [round(float(x), 2) for x in p1],
     }
