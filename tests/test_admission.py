@@ -205,6 +205,26 @@ def test_drain_answers_queued_with_503_and_refuses_new() -> None:
     run(main())
 
 
+def test_the_reserve_comes_with_its_share_of_kv_tokens() -> None:
+    """A reserve slot the KV cap still blocks is no reserve: the top class's first tokens
+    waited behind batch work that had filled the KV budget (the cap is per batch slot)."""
+
+    async def main() -> None:
+        q = AdmissionQueue(Limits(2, 200, None, reserve_requests=1))
+        a = await q.admit("normal", 100, 1)
+        b = await q.admit("low", 100, 1)  # the batch and its KV budget are full
+        high = await asyncio.wait_for(q.admit("high", 100, 1), 1.0)
+        assert q.in_flight == 3 and q.kv_in_flight == 300
+        more = asyncio.ensure_future(q.admit("high", 100, 1))
+        await asyncio.sleep(0)
+        assert not more.done()  # the reserve is bounded, its KV too
+        for slot in (a, b, high):
+            slot.release()
+        (await more).release()
+
+    run(main())
+
+
 def test_the_top_class_may_take_the_reserve_beyond_the_batch_limit() -> None:
     async def main() -> None:
         q = AdmissionQueue(Limits(2, 10**9, None, reserve_requests=1))

@@ -210,9 +210,12 @@ class AdmissionQueue:
 
     def _fits(self, priority: str, kv_tokens: int, prefill_tokens: int, now: float) -> bool:
         lim = self.limits
-        allowed = lim.max_requests
-        if priority == PRIORITIES[0]:
+        allowed, kv_allowed = lim.max_requests, lim.max_kv_tokens
+        if priority == PRIORITIES[0] and lim.reserve_requests:
+            # The reserve's slots come with their share of the KV budget, which is sized per
+            # batch slot: a slot the KV cap still blocks would be no reserve.
             allowed += lim.reserve_requests
+            kv_allowed += lim.max_kv_tokens * lim.reserve_requests // max(lim.max_requests, 1)
         if self.valley_fill and priority == DEFERRABLE:
             if self.deferrable == "hold" and self.in_flight:
                 return False
@@ -221,7 +224,7 @@ class AdmissionQueue:
         if self.in_flight >= max(allowed, 1):
             return False
         # One request always fits an empty upstream, however large, so nothing starves.
-        if self.in_flight and self.kv_in_flight + kv_tokens > lim.max_kv_tokens:
+        if self.in_flight and self.kv_in_flight + kv_tokens > kv_allowed:
             return False
         if lim.prefill_tok_s is not None:
             self._refill(now)
