@@ -56,3 +56,15 @@ def test_reallocation_spans_and_figures() -> None:
     assert mask[11] and mask[14] and not mask[5] and not mask[19]
     figs = fleet_bench.fleet_figures(a, rows, {}, np.full(20, 900.0))
     assert figs["seconds_to_move_watts"] == [2.0]
+
+
+def test_a_server_idle_since_its_last_step_reads_its_idle_draw() -> None:
+    from powerbatch.cli.report import power_1s
+
+    trace = {"t_s": [0.0, 1.0], "step_s": [0.5, 0.5], "energy_j": [300.0, 900.0]}
+    idle_w = 78.0
+    state = {"t_s": 5.5, "energy_j": 900.0 + idle_w * 4.0}  # idle from 1.5 s on
+    _, bare = power_1s(trace, 0.0, 5.0)
+    _, full = power_1s(fleet_bench.with_energy_now(trace, state), 0.0, 5.0)
+    assert bare[-1] == 0.0  # what the trace alone says
+    assert full[-1] == np.float64(idle_w)

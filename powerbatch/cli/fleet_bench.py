@@ -50,7 +50,7 @@ HIGH = {"high": 0.7, "normal": 0.3, "low": 0.0}
 COLD = {"high": 0.1, "normal": 0.6, "low": 0.3}
 ARMS = ("static", "fleet", "faults")
 POLL_S = 0.5
-SHARE_STEP_FRAC = 0.02  # a share that moves by more than this fraction of budget/N: reallocation
+SHARE_STEP_FRAC = 0.1  # a share that moves by more than this fraction of budget/N: reallocation
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -236,7 +236,10 @@ async def run_arm(arm: str, a: argparse.Namespace, seed: int, log_dir: Path) -> 
         async with aiohttp.ClientSession() as s:
             for su in sim_urls:
                 async with s.get(f"{su}/sim/trace?since_s={t0 - 1}") as r:
-                    traces.append(await r.json())
+                    trace = await r.json()
+                async with s.get(f"{su}/sim/state") as r:
+                    state = await r.json()
+                traces.append(with_energy_now(trace, state))
     finally:
         for c in proxies:
             await c.stop()
@@ -247,6 +250,17 @@ async def run_arm(arm: str, a: argparse.Namespace, seed: int, log_dir: Path) -> 
                 proc.wait(10)
     out = summarize(arm, a, t0, traces, results, rows, events)
     out["seed"] = seed
+    return out
+
+
+def with_energy_now(trace: dict[str, list[float]], state: dict[str, Any]) -> dict[str, list[float]]:
+    """The step trace with the energy counter read now appended: the trace has a row per step
+    only, so without it a server idle since its last step (a killed member's) would read 0 W
+    instead of its idle draw for the rest of the run."""
+    out = {k: list(trace[k]) for k in ("t_s", "step_s", "energy_j")}
+    out["t_s"].append(float(state["t_s"]))
+    out["step_s"].append(0.0)
+    out["energy_j"].append(float(state["energy_j"]))
     return out
 
 
@@ -440,6 +454,7 @@ def plot(res: dict[str, Any], a: argparse.Namespace, path: Path) -> None:
         ax.set_ylabel("W (1-s mean)")
         ax.legend(fontsize=6, ncol=5, loc="lower left")
     axes[-1].set_xlabel("s")
+    axes[-1].set_xlim(0, a.duration_s)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
