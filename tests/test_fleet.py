@@ -298,6 +298,47 @@ def test_watts_a_member_still_draws_after_its_cut_are_not_given_away(
     run(body)
 
 
+def test_a_member_is_never_given_less_than_its_floor(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """A server that draws 480 W serving one request cannot hold a 100 W share by admission;
+    the allocator gives the hot member only what is left above that floor."""
+
+    async def body() -> None:
+        settings = FleetSettings(
+            fleet_budget="floor",
+            fleet_budget_w=BUDGET_W,
+            fleet_redis_url=redis_server.url,
+            fleet_members=2,
+            fleet_min_share_w=20.0,
+            fleet_lease_ttl_s=TTL_S,
+            fleet_publish_interval_s=PERIOD_S,
+        )
+        floor_w = 480.0
+        hot = FleetMember(
+            settings,
+            "hot",
+            signals=lambda: MemberSignals(in_flight=8, value_per_w=1.0, want_w=900.0),
+        )
+        cold = FleetMember(
+            settings,
+            "cold",
+            signals=lambda: MemberSignals(in_flight=1, value_per_w=0.0, floor_w=floor_w),
+        )
+        await hot.start()
+        await cold.start()
+        try:
+            await async_wait_until(lambda: hot.usable_w() > 500, 8, "hot raised")
+            await asyncio.sleep(3 * PERIOD_S)  # a few more allocations
+            assert cold.usable_w() >= floor_w - 1e-6
+            assert hot.usable_w() <= BUDGET_W - floor_w + 1e-6
+        finally:
+            await hot.stop()
+            await cold.stop()
+
+    run(body)
+
+
 def test_lua_raises_only_from_confirmed_watts_and_only_for_the_leader(
     redis_server: RedisServer,  # noqa: F811
 ) -> None:

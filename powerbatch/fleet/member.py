@@ -44,6 +44,7 @@ class MemberSignals:
     queued_by_class: dict[str, int] = field(default_factory=dict)
     value_per_w: float = 0.0  # d(goodput)/d(watts), tokens/s per W, unweighted
     want_w: float = 0.0  # the power serving all its demand would draw
+    floor_w: float = 0.0  # the least it can hold while it serves at all (0: any share)
 
 
 class FleetMetrics:
@@ -293,7 +294,7 @@ class FleetMember:
             "in_flight": sig.in_flight,
             "value_per_w": sig.value_per_w * weight,
             "want_w": sig.want_w,
-            "min_w": self.settings.fleet_min_share_w,
+            "min_w": self.min_share_w(sig),
             "max_w": self.settings.max_share_w,
             "using_w": using,
             **demand,
@@ -324,6 +325,14 @@ class FleetMember:
         self.members_seen = int(live)
         self.committed_w = float(committed)
         self.metrics.members.set(self.members_seen)
+
+    def min_share_w(self, sig: MemberSignals) -> float:
+        """The smallest share to ask for: the configured one, or the member's floor where that
+        is higher. A share below what the server draws serving a single request cannot be held
+        by admission alone (it can only idle or exceed it), so it would be a share on paper: the
+        watts given to others would be drawn here too."""
+        floor = sig.floor_w if math.isfinite(sig.floor_w) else 0.0
+        return min(max(self.settings.fleet_min_share_w, floor), self.settings.max_share_w)
 
     def _weight(self, sig: MemberSignals) -> float:
         """The mean priority weight of the demand: high-class work makes a watt worth more.
