@@ -95,8 +95,9 @@ class Fleet:
 
         def signals() -> MemberSignals:
             w = self.want[mid]
+            drawn = min(w, self.members[mid].usable_w())  # a server held to its share
             return MemberSignals(
-                power_w=w, in_flight=int(w > 0), value_per_w=1.0 * (w > 0), want_w=w
+                power_w=drawn, in_flight=int(w > 0), value_per_w=1.0 * (w > 0), want_w=w
             )
 
         return FleetMember(self.settings, mid, signals=signals)
@@ -240,6 +241,100 @@ def test_redis_killed_members_keep_leases_then_safe_shares_then_recover(
             await async_wait_until(fleet.live, 6 * TTL_S, "live leases again after Redis returns")
             await async_wait_until(lambda: hot.usable_w() > 600, 4 * TTL_S, "m1 hot again")
             assert fleet.max_total_w() <= BUDGET_W + 1e-6
+
+    run(body)
+
+
+def test_watts_a_member_still_draws_after_its_cut_are_not_given_away(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """Admission control reaches a lower share only as requests finish: until the meter shows
+    the cut member's watts free, the member it loses them to is not raised with them."""
+
+    async def body() -> None:
+        settings = FleetSettings(
+            fleet_budget="drain",
+            fleet_budget_w=BUDGET_W,
+            fleet_redis_url=redis_server.url,
+            fleet_members=2,
+            fleet_min_share_w=20.0,
+            fleet_lease_ttl_s=TTL_S,
+            fleet_publish_interval_s=PERIOD_S,
+        )
+        want = {"a": 900.0, "b": 60.0}
+        drawn = {"a": 0.0, "b": 0.0}  # the meter: what each member's server draws
+
+        def signals(mid: str) -> Callable[[], MemberSignals]:
+            return lambda: MemberSignals(
+                power_w=drawn[mid],
+                in_flight=1,
+                value_per_w=1.0 if want[mid] > 100 else 0.0,
+                want_w=want[mid],
+            )
+
+        a, b = (FleetMember(settings, m, signals=signals(m)) for m in ("a", "b"))
+        await a.start()
+        await b.start()
+        try:
+            await async_wait_until(lambda: a.usable_w() > 800, 8, "a given most of the budget")
+            drawn["a"] = a.usable_w()  # a runs at its share
+            drawn["b"] = b.usable_w()
+            await asyncio.sleep(2 * PERIOD_S)  # a's full draw confirmed
+            want.update(a=60.0, b=900.0)  # the hot spot moves; a drains for a while
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 3 * TTL_S
+            worst = 0.0
+            while loop.time() < end:
+                worst = max(worst, b.usable_w() + drawn["a"])
+                await asyncio.sleep(0.01)
+            assert worst <= BUDGET_W + 1e-6, f"b raised with watts a still draws: {worst:.0f} W"
+            assert a.usable_w() < 200, "a's share was lowered at once"
+            drawn["a"] = a.usable_w()  # drained: the meter shows the watts free
+            await async_wait_until(lambda: b.usable_w() > 800, 4 * TTL_S, "b raised once free")
+        finally:
+            await a.stop()
+            await b.stop()
+
+    run(body)
+
+
+def test_a_member_is_never_given_less_than_its_floor(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """A server that draws 480 W serving one request cannot hold a 100 W share by admission;
+    the allocator gives the hot member only what is left above that floor."""
+
+    async def body() -> None:
+        settings = FleetSettings(
+            fleet_budget="floor",
+            fleet_budget_w=BUDGET_W,
+            fleet_redis_url=redis_server.url,
+            fleet_members=2,
+            fleet_min_share_w=20.0,
+            fleet_lease_ttl_s=TTL_S,
+            fleet_publish_interval_s=PERIOD_S,
+        )
+        floor_w = 480.0
+        hot = FleetMember(
+            settings,
+            "hot",
+            signals=lambda: MemberSignals(in_flight=8, value_per_w=1.0, want_w=900.0),
+        )
+        cold = FleetMember(
+            settings,
+            "cold",
+            signals=lambda: MemberSignals(in_flight=1, value_per_w=0.0, floor_w=floor_w),
+        )
+        await hot.start()
+        await cold.start()
+        try:
+            await async_wait_until(lambda: hot.usable_w() > 500, 8, "hot raised")
+            await asyncio.sleep(3 * PERIOD_S)  # a few more allocations
+            assert cold.usable_w() >= floor_w - 1e-6
+            assert hot.usable_w() <= BUDGET_W - floor_w + 1e-6
+        finally:
+            await hot.stop()
+            await cold.stop()
 
     run(body)
 

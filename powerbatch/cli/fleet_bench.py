@@ -1,18 +1,37 @@
 """`powerbatch fleet-bench`: N simulated servers under one budget, shared by lease vs split evenly.
 
 Load is skewed and moves: one server is hot (bursts of mostly high-class requests), the hot spot
-moves every `--hot-period-s`. Arm `static`: every proxy's ceiling is budget/N. Arm `fleet`: every
-proxy is a member of one Redis budget; mid-run one member is killed (SIGKILL) and Redis is
-killed and restarted. Everything listens on 127.0.0.1. Kept light for a 2-core machine.
+moves every `--hot-period-s`. Arms, each repeated with the same seeds:
+
+* `static`: every proxy's ceiling is budget/N;
+* `fleet`: every proxy is a member of one Redis budget;
+* `faults`: `fleet`, and mid-run one member is killed (SIGKILL) and Redis is killed and
+  restarted.
+
+Calibration, and why. A share is only a share if the server can hold it. On the simulated H100
+(Llama-3.1-8B) decoding a single request draws about 480 W and anything less is idle (78 W):
+admission alone cannot hold a ceiling in between. So by default every proxy also sets its
+GPU's power limit (through the simulator's zeusd API, as `powerbatch bench`'s `powerbatch` arm
+does), both arms alike, and a member's share is kept within what that limit can enforce: at
+least the lowest limit the GPU accepts, at most its TDP. Without `--limiter` a share is held by
+admission alone, and `--min-share-w` should then be the one-request decode power.
+
+Processes: the N simulators share one process (`powerbatch.cli.fleet_sims`: a late step is
+counted as idle, never as power); each proxy, the member under test, is its own process, so a
+kill is a real SIGKILL; Redis is a real `redis-server`. Power is the simulators' energy counter
+over each whole second, summed over all N servers (a killed member's server included).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import shutil
+import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,10 +43,14 @@ from powerbatch.cli.process import Child, free_port
 from powerbatch.cli.report import power_1s
 from powerbatch.load import LoadProfile, run_load
 from powerbatch.load.client import RequestResult
-from powerbatch.load.profile import Phase
+from powerbatch.load.profile import Phase, PlannedRequest
+from powerbatch.sim.gpu_model import PROFILES
 
 HIGH = {"high": 0.7, "normal": 0.3, "low": 0.0}
 COLD = {"high": 0.1, "normal": 0.6, "low": 0.3}
+ARMS = ("static", "fleet", "faults")
+POLL_S = 0.5
+SHARE_STEP_FRAC = 0.1  # a share that moves by more than this fraction of budget/N: reallocation
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -38,23 +61,54 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--hot-period-s", type=float, default=30.0)
     p.add_argument("--hot-rps", type=float, default=9.0)
     p.add_argument("--cold-rps", type=float, default=1.5)
-    p.add_argument("--gpu", default="h100-llama8b")
+    p.add_argument("--gpu", default="h100-llama8b", choices=sorted(PROFILES))
     p.add_argument("--ttft-slo-s", type=float, default=2.0)
     p.add_argument("--tpot-slo-s", type=float, default=0.1)
     p.add_argument("--lease-ttl-s", type=float, default=3.0)
+    p.add_argument(
+        "--limiter",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each proxy also sets its GPU's power limit (both arms)",
+    )
+    p.add_argument(
+        "--min-share-w",
+        type=float,
+        default=None,
+        help="a member's smallest share (default: the GPU's lowest power limit)",
+    )
+    p.add_argument(
+        "--max-share-w",
+        type=float,
+        default=None,
+        help="a member's largest share (default: the GPU's TDP, or the budget if less)",
+    )
     p.add_argument("--kill-member-at-s", type=float, default=40.0)
     p.add_argument("--kill-redis-at-s", type=float, default=65.0)
     p.add_argument("--redis-down-s", type=float, default=8.0)
-    p.add_argument("--arms", default="static,fleet")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=1, help="repeat r of every arm uses seed + r")
     p.add_argument("--out", type=Path, default=Path("results/fleet"))
     p.set_defaults(func=main)
 
 
-def profile_for(i: int, a: argparse.Namespace) -> list[Any]:
+def share_bounds_w(a: argparse.Namespace) -> tuple[float, float]:
+    """A member's share bounds: what its GPU's power limit can enforce (unless given)."""
+    prof = PROFILES[a.gpu]
+    lo = a.min_share_w if a.min_share_w is not None else prof.min_limit_w_per_gpu * prof.num_gpus
+    hi = a.max_share_w if a.max_share_w is not None else min(prof.tdp_w, a.budget_w)
+    return lo, hi
+
+
+def hot_member(t_s: float, a: argparse.Namespace) -> int:
+    return int(t_s // a.hot_period_s) % int(a.members)
+
+
+def profile_for(i: int, a: argparse.Namespace, seed: int) -> list[PlannedRequest]:
     """Member i's plan: hot (bursting, mostly high class) in its windows, cold otherwise."""
     periods = int(np.ceil(a.duration_s / a.hot_period_s))
-    plan: list[Any] = []
+    plan: list[PlannedRequest] = []
     for k in range(periods):
         hot = k % a.members == i
         rate = a.hot_rps if hot else a.cold_rps
@@ -63,103 +117,95 @@ def profile_for(i: int, a: argparse.Namespace) -> list[Any]:
             (Phase(half, rate * 1.3), Phase(half, rate * 0.7)) if hot else (Phase(2 * half, rate),)
         )
         prof = LoadProfile(f"m{i}", phases, priority_mix=HIGH if hot else COLD)
-        for r in prof.plan(a.hot_period_s, a.seed * 100 + i * 10 + k):
-            plan.append(_shift(r, k * a.hot_period_s))
+        for r in prof.plan(a.hot_period_s, seed * 100 + i * 10 + k):
+            plan.append(dataclasses.replace(r, t_s=r.t_s + k * a.hot_period_s))
     return [r for r in plan if r.t_s < a.duration_s]
-
-
-def _shift(r: Any, dt: float) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(r, t_s=r.t_s + dt)
 
 
 async def _poll(
     urls: list[str], t0: float, rows: list[dict[str, Any]], stop: asyncio.Event
 ) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as s:
+
+        async def one(i: int, u: str) -> None:
+            try:
+                async with s.get(u + "/status") as resp:
+                    doc = await resp.json()
+            except Exception:
+                return
+            fleet = doc.get("fleet") or {}
+            rows.append(
+                {
+                    "t_s": time.monotonic() - t0,
+                    "member": i,
+                    "share_w": fleet.get("share_w", doc["power"]["ceiling_w"]),
+                    "state": fleet.get("state"),
+                    "leader": fleet.get("leader"),
+                    "power_w": doc["power"]["measured_w"],
+                }
+            )
+
         while not stop.is_set():
-            t = time.monotonic() - t0
-            for i, u in enumerate(urls):
-                try:
-                    async with s.get(u + "/status") as resp:
-                        doc = await resp.json()
-                except Exception:
-                    continue
-                fleet = doc.get("fleet") or {}
-                rows.append(
-                    {
-                        "t_s": t,
-                        "member": i,
-                        "share_w": fleet.get("share_w", doc["power"]["ceiling_w"]),
-                        "state": fleet.get("state"),
-                        "leader": fleet.get("leader"),
-                        "power_w": doc["power"]["measured_w"],
-                    }
-                )
-            await asyncio.sleep(0.5)
+            await asyncio.gather(*(one(i, u) for i, u in enumerate(urls)))
+            await asyncio.sleep(POLL_S)
 
 
-async def run_arm(arm: str, a: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+def _start_redis(port: int, log_dir: Path) -> subprocess.Popen[bytes]:
+    exe = shutil.which("redis-server")
+    assert exe, "fleet-bench needs redis-server on PATH"
+    log = (log_dir / "redis.log").open("ab")
+    argv = [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", ""]
+    return subprocess.Popen([*argv, "--appendonly", "no"], stdout=log, stderr=log)
+
+
+def proxy_args(
+    a: argparse.Namespace, i: int, arm: str, sim_url: str, port: int, redis_port: int, log: Path
+) -> list[str]:
+    n = a.members
+    args = ["serve", "--upstream", sim_url, "--port", str(port), "--power-source", "dcgm",
+            "--dcgm-url", sim_url + "/metrics", "--dcgm-metric",
+            "DCGM_FI_DEV_POWER_USAGE_INSTANT", "--ceiling-w", str(a.budget_w / n),
+            "--ttft-slo-s", str(a.ttft_slo_s), "--tpot-slo-s", str(a.tpot_slo_s),
+            "--log-level", "warning"]  # fmt: skip
+    if a.limiter:
+        args += ["--power-limiter", "zeusd", "--zeusd-url", sim_url,
+                 "--limit-state-dir", str(log / f"limits{i}")]  # fmt: skip
+    if arm != "static":
+        lo, hi = share_bounds_w(a)
+        args += ["--fleet-budget", "bench", "--fleet-budget-w", str(a.budget_w),
+                 "--fleet-redis-url", f"redis://127.0.0.1:{redis_port}/0",
+                 "--fleet-members", str(n), "--fleet-member-id", f"m{i}",
+                 "--fleet-lease-ttl-s", str(a.lease_ttl_s),
+                 "--fleet-publish-interval-s", str(a.lease_ttl_s / 3),
+                 "--fleet-min-share-w", str(lo), "--fleet-max-share-w", str(hi)]  # fmt: skip
+    return args
+
+
+async def run_arm(arm: str, a: argparse.Namespace, seed: int, log_dir: Path) -> dict[str, Any]:
     n = a.members
     redis_port = free_port()
-    redis_proc: subprocess.Popen[bytes] | None = None
-
-    def start_redis() -> subprocess.Popen[bytes]:
-        exe = shutil.which("redis-server")
-        assert exe, "fleet-bench needs redis-server on PATH"
-        log = (log_dir / "redis.log").open("ab")
-        argv = [exe, "--bind", "127.0.0.1", "--port", str(redis_port), "--save", ""]
-        return subprocess.Popen([*argv, "--appendonly", "no"], stdout=log, stderr=log)
-
-    sims, proxies, urls, sim_urls = [], [], [], []
-    redis_procs: list[subprocess.Popen[bytes]] = []
+    sim_ports = [free_port() for _ in range(n)]
+    sim_urls = [f"http://127.0.0.1:{p}" for p in sim_ports]
+    sim_args = ["-m", "powerbatch.cli.fleet_sims", "--ports", ",".join(map(str, sim_ports)),
+                "--seeds", ",".join(str(seed + i) for i in range(n)), "--profile", a.gpu,
+                "--stream-interval-tokens", "8"]  # fmt: skip
+    sims = Child("sims", sim_args, log_dir, command=(sys.executable,))
+    proxies, urls = [], []
     for i in range(n):
-        sp, pp = free_port(), free_port()
-        sim_url = f"http://127.0.0.1:{sp}"
-        sim_urls.append(sim_url)
-        sims.append(
-            Child(
-                f"sim{i}",
-                [
-                    "sim",
-                    "--port",
-                    str(sp),
-                    "--profile",
-                    a.gpu,
-                    "--stream-interval-tokens",
-                    "8",
-                    "--seed",
-                    str(a.seed + i),
-                ],
-                log_dir,
-            )
-        )
-        args = ["serve", "--upstream", sim_url, "--port", str(pp), "--power-source", "dcgm",
-                "--dcgm-url", sim_url + "/metrics", "--dcgm-metric",
-                "DCGM_FI_DEV_POWER_USAGE_INSTANT", "--ceiling-w", str(a.budget_w / n),
-                "--ttft-slo-s", str(a.ttft_slo_s), "--tpot-slo-s", str(a.tpot_slo_s),
-                "--log-level", "warning"]  # fmt: skip
-        if arm == "fleet":
-            args += ["--fleet-budget", "bench", "--fleet-budget-w", str(a.budget_w),
-                     "--fleet-redis-url", f"redis://127.0.0.1:{redis_port}/0",
-                     "--fleet-members", str(n), "--fleet-member-id", f"m{i}",
-                     "--fleet-lease-ttl-s", str(a.lease_ttl_s),
-                     "--fleet-publish-interval-s", str(a.lease_ttl_s / 3),
-                     "--fleet-max-share-w", str(0.6 * a.budget_w)]  # fmt: skip
+        pp = free_port()
+        args = proxy_args(a, i, arm, sim_urls[i], pp, redis_port, log_dir)
         proxies.append(Child(f"proxy{i}", args, log_dir))
         urls.append(f"http://127.0.0.1:{pp}")
-    if arm == "fleet":
-        redis_proc = start_redis()
-        redis_procs.append(redis_proc)
+    redis_procs: list[subprocess.Popen[bytes]] = []
+    if arm != "static":
+        redis_procs.append(_start_redis(redis_port, log_dir))
     events: dict[str, float] = {}
     rows: list[dict[str, Any]] = []
     try:
-        for c, su in zip(sims, sim_urls, strict=True):
-            await c.start(su + "/health")
+        await sims.start(sim_urls[0] + "/health")
         for c, u in zip(proxies, urls, strict=True):
             await c.start(u + "/ready")
-        plans = [profile_for(i, a) for i in range(n)]
+        plans = [profile_for(i, a, seed) for i in range(n)]
         t0 = time.monotonic()
         stop = asyncio.Event()
         poller = asyncio.create_task(_poll(urls, t0, rows, stop))
@@ -169,18 +215,16 @@ async def run_arm(arm: str, a: argparse.Namespace, log_dir: Path) -> dict[str, A
         ]
 
         async def chaos() -> None:
-            if arm != "fleet":
+            if arm != "faults":
                 return
             await asyncio.sleep(a.kill_member_at_s)
-            victim = n - 1
-            proxies[victim].send_signal(9)
+            proxies[n - 1].send_signal(9)
             events["member_killed_s"] = time.monotonic() - t0
             await asyncio.sleep(a.kill_redis_at_s - a.kill_member_at_s)
-            assert redis_proc is not None
-            redis_proc.kill()
+            redis_procs[0].kill()
             events["redis_killed_s"] = time.monotonic() - t0
             await asyncio.sleep(a.redis_down_s)
-            redis_procs.append(start_redis())
+            redis_procs.append(_start_redis(redis_port, log_dir))
             events["redis_restarted_s"] = time.monotonic() - t0
 
         chaos_task = asyncio.create_task(chaos())
@@ -192,15 +236,32 @@ async def run_arm(arm: str, a: argparse.Namespace, log_dir: Path) -> dict[str, A
         async with aiohttp.ClientSession() as s:
             for su in sim_urls:
                 async with s.get(f"{su}/sim/trace?since_s={t0 - 1}") as r:
-                    traces.append(await r.json())
+                    trace = await r.json()
+                async with s.get(f"{su}/sim/state") as r:
+                    state = await r.json()
+                traces.append(with_energy_now(trace, state))
     finally:
-        for c in proxies + sims:
+        for c in proxies:
             await c.stop()
+        await sims.stop()
         for proc in redis_procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
-    return summarize(arm, a, t0, traces, results, rows, events)
+    out = summarize(arm, a, t0, traces, results, rows, events)
+    out["seed"] = seed
+    return out
+
+
+def with_energy_now(trace: dict[str, list[float]], state: dict[str, Any]) -> dict[str, list[float]]:
+    """The step trace with the energy counter read now appended: the trace has a row per step
+    only, so without it a server idle since its last step (a killed member's) would read 0 W
+    instead of its idle draw for the rest of the run."""
+    out = {k: list(trace[k]) for k in ("t_s", "step_s", "energy_j")}
+    out["t_s"].append(float(state["t_s"]))
+    out["step_s"].append(0.0)
+    out["energy_j"].append(float(state["energy_j"]))
+    return out
 
 
 def summarize(
@@ -215,6 +276,7 @@ def summarize(
     per = [power_1s(tr, t0, t0 + a.duration_s)[1] for tr in traces]
     k = min(len(p) for p in per)
     total = np.sum([p[:k] for p in per], axis=0)
+    over = total > a.budget_w
     good = 0
     hot_ttft: list[float] = []
     for i, rs in enumerate(results):
@@ -223,15 +285,20 @@ def summarize(
                 tpot = r.tpot_s
                 if tpot is None or tpot <= a.tpot_slo_s:
                     good += 1
-            hot = int(r.t_start_s // a.hot_period_s) % a.members == i
+            hot = hot_member(r.t_start_s, a) == i
             if hot and r.priority == "high" and r.ok and r.ttft_s is not None:
                 hot_ttft.append(r.ttft_s)
+    windows = reallocation_windows(rows, a) if arm != "static" else []
+    during = seconds_in(windows, k)
     out: dict[str, Any] = {
         "arm": arm,
         "seconds": int(k),
-        "pct_seconds_over_budget": float(100 * np.mean(total > a.budget_w)),
+        "pct_seconds_over_budget": float(100 * np.mean(over)),
+        "seconds_over_budget": int(over.sum()),
         "max_total_w": float(total.max()),
         "mean_total_w": float(total.mean()),
+        "reallocation_seconds": int(during.sum()),
+        "seconds_over_budget_during_reallocation": int((over & during).sum()),
         "goodput_rps": good / a.duration_s,
         "hot_high_ttft_p95_s": float(np.percentile(hot_ttft, 95)) if hot_ttft else None,
         "requests": sum(len(r) for r in results),
@@ -240,9 +307,37 @@ def summarize(
         "member_w": [p[:k].tolist() for p in per],
         "status_rows": rows,
     }
-    if arm == "fleet":
-        out.update(fleet_figures(a, rows, events))
+    if arm != "static":
+        out.update(fleet_figures(a, rows, events, total))
     return out
+
+
+def reallocation_windows(
+    rows: list[dict[str, Any]], a: argparse.Namespace
+) -> list[tuple[float, float]]:
+    """Spans in which watts were moving: from a poll before any member's share changed by more
+    than a step until a lease TTL after it (long enough for the giver to confirm)."""
+    step = SHARE_STEP_FRAC * a.budget_w / a.members
+    last: dict[int, tuple[float, float]] = {}
+    spans: list[tuple[float, float]] = []
+    for r in sorted(rows, key=lambda x: x["t_s"]):
+        share = r["share_w"]
+        if share is None:
+            continue
+        prev = last.get(r["member"])
+        if prev is not None and abs(share - prev[1]) > step:
+            spans.append((prev[0], r["t_s"] + a.lease_ttl_s))
+        last[r["member"]] = (r["t_s"], share)
+    return spans
+
+
+def seconds_in(spans: list[tuple[float, float]], n_seconds: int) -> np.ndarray[Any, Any]:
+    """Which whole seconds [k, k + 1) overlap any span."""
+    mask = np.zeros(n_seconds, bool)
+    for t0, t1 in spans:
+        lo, hi = max(int(np.floor(t0)), 0), min(int(np.ceil(t1)), n_seconds)
+        mask[lo:hi] = True
+    return mask
 
 
 def _share(rows: list[dict[str, Any]], member: int, t: float) -> float | None:
@@ -251,11 +346,15 @@ def _share(rows: list[dict[str, Any]], member: int, t: float) -> float | None:
 
 
 def fleet_figures(
-    a: argparse.Namespace, rows: list[dict[str, Any]], events: dict[str, float]
+    a: argparse.Namespace,
+    rows: list[dict[str, Any]],
+    events: dict[str, float],
+    total: np.ndarray[Any, Any],
 ) -> dict[str, Any]:
     """Seconds to move watts: from each hot-spot move until the new hot member's share is
-    within 10% of its final share in that window; seconds until a killed member's share is
-    reused: until the survivors' shares sum to 90% of the budget."""
+    within 10% of its largest share in that window. Seconds until a killed member's watts are
+    reused: until the survivors' shares sum to 90% of the budget. Seconds until live shares
+    after Redis returns: until every surviving member polls `live` again."""
     moves = []
     n = a.members
     for k in range(1, int(a.duration_s // a.hot_period_s) + 1):
@@ -266,32 +365,75 @@ def fleet_figures(
         ]
         if not window or t_move >= a.duration_s:
             continue
+        if "member_killed_s" in events and hot == n - 1 and t_move > events["member_killed_s"]:
+            continue  # the dead member's window: nothing to move to
         goal = 0.9 * max(r["share_w"] or 0 for r in window)
         hit = next((r["t_s"] for r in window if (r["share_w"] or 0) >= goal), None)
         moves.append(None if hit is None else hit - t_move)
-    reuse = None
+    out: dict[str, Any] = {"seconds_to_move_watts": moves}
     tk = events.get("member_killed_s")
     if tk is not None:
-        times = sorted({r["t_s"] for r in rows if r["t_s"] >= tk})
-        for t in times:
+        reuse = None
+        for t in sorted({r["t_s"] for r in rows if r["t_s"] >= tk}):
             s = [_share(rows, m, t) for m in range(n - 1)]
             if all(x is not None for x in s) and sum(s) >= 0.9 * a.budget_w:  # type: ignore[arg-type]
                 reuse = t - tk
                 break
-    return {"seconds_to_move_watts": moves, "seconds_until_killed_members_watts_reused": reuse}
+        out["seconds_until_killed_members_watts_reused"] = reuse
+        lo = int(tk)
+        out["seconds_over_budget_after_member_killed"] = int((total[lo:] > a.budget_w).sum())
+    tr = events.get("redis_restarted_s")
+    tkr = events.get("redis_killed_s")
+    if tr is not None and tkr is not None:
+        back = None
+        for t in sorted({r["t_s"] for r in rows if r["t_s"] >= tr}):
+            latest = [
+                next((r for r in reversed(rows) if r["member"] == m and r["t_s"] <= t), None)
+                for m in range(n - 1)
+            ]
+            if all(x is not None and x["state"] == "live" for x in latest):
+                back = t - tr
+                break
+        out["seconds_until_live_shares_after_redis_restart"] = back
+        span = total[int(tkr) : int(np.ceil(tr + 2 * a.lease_ttl_s)) + 1]
+        out["seconds_over_budget_redis_down"] = int((span > a.budget_w).sum())
+        states = [r["state"] for r in rows if tkr <= r["t_s"] < tr]
+        out["states_while_redis_down"] = sorted(set(s for s in states if s))
+    return out
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean, sd and each run's value of every scalar figure over the repeats."""
+    out: dict[str, Any] = {}
+    keys = [k for k, v in runs[0].items() if isinstance(v, int | float) and k != "seed"]
+    for k in keys:
+        xs = [float(r[k]) for r in runs if r.get(k) is not None]
+        if xs:
+            sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+            out[k] = {"mean": statistics.fmean(xs), "sd": sd, "runs": xs}
+    moves = [m for r in runs for m in r.get("seconds_to_move_watts", [])]
+    if moves:
+        got = [m for m in moves if m is not None]
+        out["seconds_to_move_watts"] = {
+            "runs": moves,
+            "median": statistics.median(got) if got else None,
+            "max": max(got) if got else None,
+        }
+    return out
 
 
 def plot(res: dict[str, Any], a: argparse.Namespace, path: Path) -> None:
+    """The first repeat of each arm: per-member share and power, total against the budget."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
-    for arm, ax in zip(("static", "fleet"), axes, strict=False):
-        r = res.get(arm)
-        if r is None:
-            continue
+    arms = [arm for arm in ARMS if res.get(arm)]
+    fig, axes = plt.subplots(len(arms), 1, figsize=(11, 3.4 * len(arms)), sharex=True)
+    axes = np.atleast_1d(axes)
+    for arm, ax in zip(arms, axes, strict=True):
+        r = res[arm]["runs"][0]
         t = np.arange(len(r["total_w"])) + 0.5
         for i, p in enumerate(r["member_w"]):
             (line,) = ax.plot(t, p, lw=0.8, label=f"m{i} power")
@@ -302,36 +444,65 @@ def plot(res: dict[str, Any], a: argparse.Namespace, path: Path) -> None:
         ax.axhline(a.budget_w, color="r", ls=":", label="budget")
         for name, te in r["events"].items():
             ax.axvline(te, color="grey", lw=0.6)
-            ax.text(te, a.budget_w * 1.02, name.replace("_s", ""), fontsize=7, rotation=90)
-        ax.set_title(f"{arm}: {a.members} servers, budget {a.budget_w:.0f} W")
+            ax.text(te, a.budget_w * 0.6, name.replace("_s", ""), fontsize=7, rotation=90)
+        for k in range(1, int(a.duration_s // a.hot_period_s) + 1):
+            ax.axvline(k * a.hot_period_s, color="orange", lw=0.6, ls="-.")
+        ax.set_title(
+            f"{arm} (seed {r['seed']}): {a.members} servers, budget {a.budget_w:.0f} W, "
+            f"hot spot moves every {a.hot_period_s:.0f} s"
+        )
         ax.set_ylabel("W (1-s mean)")
         ax.legend(fontsize=6, ncol=5, loc="lower left")
     axes[-1].set_xlabel("s")
+    axes[-1].set_xlim(0, a.duration_s)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def _brief(run: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in run.items() if k not in ("total_w", "member_w", "status_rows")}
+
+
 async def _bench(a: argparse.Namespace) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
+    arms = [x.strip() for x in a.arms.split(",") if x.strip()]
     res: dict[str, Any] = {}
-    for arm in [x.strip() for x in a.arms.split(",") if x.strip()]:
-        print(f"arm {arm}: {a.members} servers x {a.duration_s:.0f} s", flush=True)
-        (a.out / "logs" / arm).mkdir(parents=True, exist_ok=True)
-        res[arm] = await run_arm(arm, a, a.out / "logs" / arm)
-        brief = {
-            k: v for k, v in res[arm].items() if k not in ("total_w", "member_w", "status_rows")
-        }
-        print(json.dumps(brief, indent=1), flush=True)
-    if "static" in res and "fleet" in res and res["static"]["goodput_rps"]:
-        res["goodput_ratio_fleet_over_static"] = (
-            res["fleet"]["goodput_rps"] / res["static"]["goodput_rps"]
-        )
-        print(f"goodput ratio fleet/static: {res['goodput_ratio_fleet_over_static']:.3f}")
+    for arm in arms:
+        if arm not in ARMS:
+            raise SystemExit(f"unknown arm {arm!r}; arms: {', '.join(ARMS)}")
+    for rep in range(a.repeats):  # arms interleaved: a slow spell on the machine hits all
+        for arm in arms:
+            seed = a.seed + rep
+            print(f"arm {arm} seed {seed}: {a.members} servers x {a.duration_s:.0f} s", flush=True)
+            log = a.out / "logs" / f"{arm}-{seed}"
+            log.mkdir(parents=True, exist_ok=True)
+            run = await run_arm(arm, a, seed, log)
+            res.setdefault(arm, {"runs": []})["runs"].append(run)
+            print(json.dumps(_brief(run)), flush=True)
+    for arm in res:
+        res[arm]["summary"] = aggregate(res[arm]["runs"])
+    if "static" in res and "fleet" in res:
+        ratios = [
+            f["goodput_rps"] / s["goodput_rps"]
+            for f, s in zip(res["fleet"]["runs"], res["static"]["runs"], strict=False)
+            if s["goodput_rps"]
+        ]
+        if ratios:
+            res["goodput_ratio_fleet_over_static"] = {
+                "mean": statistics.fmean(ratios),
+                "runs": ratios,
+            }
+    summary = {arm: res[arm]["summary"] for arm in res if arm in ARMS}
+    summary["goodput_ratio_fleet_over_static"] = res.get("goodput_ratio_fleet_over_static")
+    print(json.dumps(summary, indent=1), flush=True)
     args = {k: str(v) for k, v in vars(a).items() if k != "func"}
-    (a.out / "results.json").write_text(json.dumps({"args": args, **res}, indent=1))
+    argv = " ".join(sys.argv[1:]) if sys.argv[1:2] == ["fleet-bench"] else None
+    doc = {"args": args, "argv": argv, **res}
+    (a.out / "results.json").write_text(json.dumps(doc, indent=1))
+    (a.out / "summary.json").write_text(json.dumps({"args": args, **summary}, indent=1))
     plot(res, a, a.out / "fleet.png")
-    print(f"wrote {a.out / 'results.json'} and {a.out / 'fleet.png'}")
+    print(f"wrote {a.out / 'results.json'}, summary.json and fleet.png")
     return 0
 
 

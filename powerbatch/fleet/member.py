@@ -44,6 +44,7 @@ class MemberSignals:
     queued_by_class: dict[str, int] = field(default_factory=dict)
     value_per_w: float = 0.0  # d(goodput)/d(watts), tokens/s per W, unweighted
     want_w: float = 0.0  # the power serving all its demand would draw
+    floor_w: float = 0.0  # the least it can hold while it serves at all (0: any share)
 
 
 class FleetMetrics:
@@ -101,6 +102,7 @@ class FleetMember:
         self.started_at = clock()
         # The lease as this member knows it.
         self.grant_w: float | None = None  # None: never had one
+        self.held_w: float | None = None  # what Redis holds for it after its last renewal
         self.last_ok_sent: float | None = None
         self.first_fail_sent: float | None = None
         self.fallback_w: float | None = None  # what it fell back to (min(using, safe))
@@ -263,10 +265,28 @@ class FleetMember:
         except Exception:  # a bug must not stop the renewals' fallback clock
             log.exception("fleet step failed")
 
+    def using_w(self, now: float, power_w: float | None) -> float:
+        """What this member may be drawing now, as a renewal reports it: its usable share, or
+        its measured power where that is higher, up to what its last renewal held.
+
+        A lower share takes effect in the ceiling at once, but admission control reaches it
+        only as requests in flight finish (seconds). Reporting the share alone would let Redis
+        pay those watts to another member while this one still draws them; so the watts are
+        freed only once the meter shows them free. Capped at the last confirmed hold: a
+        renewal never raises what Redis holds for it (a member over its share is a control
+        error the hold must not grow with). Only on a live lease: a member whose lease may have
+        lapsed in Redis rejoins on what the pool gives it."""
+        stage, usable = self._stage(now)
+        if stage != "live" or power_w is None or self.held_w is None:
+            return usable
+        if not math.isfinite(power_w):
+            return usable
+        return max(usable, min(power_w, self.held_w))
+
     async def renew(self) -> None:
         sent = self.clock()
-        using = self.usable_w(sent)
         sig = self.signals()
+        using = self.using_w(sent, sig.power_w)
         demand = {f"demand_{c}": n for c, n in sig.queued_by_class.items()}
         weight = self._weight(sig)
         fields: dict[str, Any] = {
@@ -274,7 +294,7 @@ class FleetMember:
             "in_flight": sig.in_flight,
             "value_per_w": sig.value_per_w * weight,
             "want_w": sig.want_w,
-            "min_w": self.settings.fleet_min_share_w,
+            "min_w": self.min_share_w(sig),
             "max_w": self.settings.max_share_w,
             "using_w": using,
             **demand,
@@ -296,6 +316,7 @@ class FleetMember:
             raise
         grant, expires, _now, _fresh, leader, live, committed = reply
         self.grant_w = float(grant)
+        self.held_w = max(self.grant_w, using)
         self.last_ok_sent = sent
         self.first_fail_sent = None
         self.fallback_w = None
@@ -304,6 +325,14 @@ class FleetMember:
         self.members_seen = int(live)
         self.committed_w = float(committed)
         self.metrics.members.set(self.members_seen)
+
+    def min_share_w(self, sig: MemberSignals) -> float:
+        """The smallest share to ask for: the configured one, or the member's floor where that
+        is higher. A share below what the server draws serving a single request cannot be held
+        by admission alone (it can only idle or exceed it), so it would be a share on paper: the
+        watts given to others would be drawn here too."""
+        floor = sig.floor_w if math.isfinite(sig.floor_w) else 0.0
+        return min(max(self.settings.fleet_min_share_w, floor), self.settings.max_share_w)
 
     def _weight(self, sig: MemberSignals) -> float:
         """The mean priority weight of the demand: high-class work makes a watt worth more.

@@ -9,6 +9,11 @@ r = decode tok/s / b. A watt more buys about 1 / (dP/db) more requests, so
 
 and `want_w` = P(shape * (in flight + queued)): what serving all the demand would draw. With
 no demand there is nothing to buy: value 0, want the idle power.
+
+Without a device power limit, admission holds a ceiling only by the batch, and the batch's
+smallest step is one request: `floor_w` = P(shape * min_batch) is the least such a member can
+hold while it serves at all, so it asks for no smaller share. With a limit in force the device
+caps the power at any share, and the floor is left to `fleet_min_share_w`.
 """
 
 from __future__ import annotations
@@ -42,11 +47,13 @@ class LoopSignals:
         f = rec.features
         if f.batch >= 1:
             self._shape = f.per_request()
-        value, want = 0.0, 0.0
+        value, want, floor = 0.0, 0.0, 0.0
         model = loop.controller.model
         shape = self._shape
         if shape is not None:
             want = model.predict_one(shape.scaled(float(demand)))[0]
+            if loop.actuator is None:
+                floor = model.predict_one(shape.scaled(float(loop.controller.config.min_batch)))[0]
             if demand > 0 and f.batch >= 1:
                 b = f.batch
                 slope = (
@@ -62,4 +69,5 @@ class LoopSignals:
             queued_by_class=by_class,
             value_per_w=max(value, 0.0),
             want_w=max(want, 0.0),
+            floor_w=max(floor, 0.0),
         )

@@ -1,0 +1,64 @@
+"""N simulated GPU servers in one process, for `powerbatch fleet-bench`.
+
+Why one process: on a small machine, N simulators, N proxies, Redis and the load generator as
+separate processes left too little CPU for anyone. The simulators are the part a bench may
+share: each engine keeps its own clock and energy counter, and a step that starts late is
+counted as idle time (never as extra power), so sharing a process can only cost them pace,
+not the truthfulness of the power they report. The proxies, the members under test, stay one
+process each so that one can be killed alone.
+
+    python -m powerbatch.cli.fleet_sims --ports 8101,8102 --seeds 1,2 --profile h100-llama8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from powerbatch.sim.engine import SimEngine
+from powerbatch.sim.gpu_model import PROFILES
+from powerbatch.sim.server import start_sim_server
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+async def serve(
+    ports: Sequence[int], seeds: Sequence[int], profile: str, stream_interval_tokens: int
+) -> None:
+    """Serve one simulator per port until cancelled."""
+    servers = []
+    try:
+        for port, seed in zip(ports, seeds, strict=True):
+            engine = SimEngine(profile=profile, seed=seed)
+            servers.append(
+                await start_sim_server(
+                    engine, "127.0.0.1", port, stream_interval_tokens=stream_interval_tokens
+                )
+            )
+        logging.getLogger("powerbatch.sim").info("%d simulators listening", len(servers))
+        await asyncio.Event().wait()
+    finally:
+        for s in servers:
+            await s.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m powerbatch.cli.fleet_sims")
+    p.add_argument("--ports", type=_ints, required=True)
+    p.add_argument("--seeds", type=_ints, required=True)
+    p.add_argument("--profile", default="h100-llama8b", choices=sorted(PROFILES))
+    p.add_argument("--stream-interval-tokens", type=int, default=8)
+    a = p.parse_args(argv)
+    if len(a.ports) != len(a.seeds):
+        p.error("--ports and --seeds need one entry per simulator")
+    logging.basicConfig(level=logging.INFO)
+    asyncio.run(serve(a.ports, a.seeds, a.profile, a.stream_interval_tokens))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""The fleet bench's own arithmetic: calibration bounds, reallocation spans, the figures."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from powerbatch.cli import fleet_bench
+from powerbatch.cli.main import build_parser
+
+
+def args(*extra: str) -> argparse.Namespace:
+    return build_parser().parse_args(["fleet-bench", *extra])
+
+
+def test_shares_are_bounded_by_what_the_gpus_limit_can_enforce() -> None:
+    a = args()
+    lo, hi = fleet_bench.share_bounds_w(a)
+    assert (lo, hi) == (200.0, 700.0)  # the simulated H100's lowest power limit and its TDP
+    assert fleet_bench.share_bounds_w(args("--min-share-w", "480", "--budget-w", "600")) == (
+        480.0,
+        600.0,
+    )
+    proxy = fleet_bench.proxy_args(a, 0, "fleet", "http://s", 1, 2, fleet_bench.Path("/tmp"))
+    assert "--power-limiter" in proxy and "--fleet-min-share-w" in proxy
+    static = fleet_bench.proxy_args(a, 0, "static", "http://s", 1, 2, fleet_bench.Path("/tmp"))
+    assert "--power-limiter" in static and "--fleet-budget" not in static  # same actuator
+    plain = fleet_bench.proxy_args(
+        args("--no-limiter"), 0, "static", "http://s", 1, 2, fleet_bench.Path("/tmp")
+    )
+    assert "--power-limiter" not in plain
+
+
+def test_both_arms_get_the_same_load_and_the_hot_spot_moves() -> None:
+    a = args("--duration-s", "90")
+    plans = [fleet_bench.profile_for(i, a, seed=1) for i in range(a.members)]
+    assert plans == [fleet_bench.profile_for(i, a, seed=1) for i in range(a.members)]
+    for k in range(3):  # in each 30-s window, the hot member gets the most requests
+        counts = [sum(1 for r in p if k * 30 <= r.t_s < (k + 1) * 30) for p in plans]
+        assert int(np.argmax(counts)) == k % a.members
+        assert fleet_bench.hot_member(k * 30 + 1, a) == k % a.members
+
+
+def test_reallocation_spans_and_figures() -> None:
+    a = args("--duration-s", "20", "--hot-period-s", "10", "--members", "2", "--budget-w", "1000")
+    rows = []
+    for t in np.arange(0, 20, 0.5):
+        hot = int(t // 10)
+        for m in range(2):
+            share = 700.0 if (m == hot and t >= 10 + 2 * hot) or (m == 0 and t < 10) else 300.0
+            rows.append({"t_s": float(t), "member": m, "share_w": share, "state": "live"})
+    spans = fleet_bench.reallocation_windows(rows, a)
+    assert spans and all(t0 <= 12.0 <= t1 for t0, t1 in spans)  # given at 10 s, taken at 12 s
+    mask = fleet_bench.seconds_in(spans, 20)
+    assert mask[11] and mask[14] and not mask[5] and not mask[19]
+    figs = fleet_bench.fleet_figures(a, rows, {}, np.full(20, 900.0))
+    assert figs["seconds_to_move_watts"] == [2.0]
+
+
+def test_a_server_idle_since_its_last_step_reads_its_idle_draw() -> None:
+    from powerbatch.cli.report import power_1s
+
+    trace = {"t_s": [0.0, 1.0], "step_s": [0.5, 0.5], "energy_j": [300.0, 900.0]}
+    idle_w = 78.0
+    state = {"t_s": 5.5, "energy_j": 900.0 + idle_w * 4.0}  # idle from 1.5 s on
+    _, bare = power_1s(trace, 0.0, 5.0)
+    _, full = power_1s(fleet_bench.with_energy_now(trace, state), 0.0, 5.0)
+    assert bare[-1] == 0.0  # what the trace alone says
+    assert full[-1] == np.float64(idle_w)
