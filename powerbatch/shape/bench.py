@@ -70,10 +70,16 @@ def swing_rms_w(p: np.ndarray, dt_s: float, lo_hz: float, hi_hz: float) -> float
     return float(np.sqrt(power.sum()))
 
 
+SETTLE_S = 5
+"""Seconds from the load's start that the "settled" ramp figures leave out: the proxy's silent
+warm-up (5 s at the initial batch) and the step from idle into the load, which every arm takes."""
+
+
 def figures(run: RunData, a: argparse.Namespace) -> dict[str, Any]:
     """Ramp, swing and floor figures of one run (the same for every arm, proxy or not)."""
     _, p1 = power_1s(run.trace, run.t0_s, run.t0_s + run.load_s)
     ramp = np.diff(p1)
+    settled = np.abs(ramp[SETTLE_S:])
     lo, hi = (float(x) for x in str(a.swing_band_hz).split(","))
     p10 = power_at(run, 0.1)
     # A second in which a low-class request was waiting for its first token.
@@ -86,6 +92,10 @@ def figures(run: RunData, a: argparse.Namespace) -> dict[str, Any]:
     return {
         "ramp_violation_s": int(np.sum(np.abs(ramp) > a.ramp_w_per_s)) if len(ramp) else None,
         "largest_ramp_w_per_s": float(np.abs(ramp).max()) if len(ramp) else None,
+        "ramp_violation_settled_pct": (
+            100.0 * float(np.mean(settled > a.ramp_w_per_s)) if len(settled) else None
+        ),
+        "largest_ramp_settled_w_per_s": float(settled.max()) if len(settled) else None,
         "swing_rms_w": swing_rms_w(p10, 0.1, lo, hi),
         "swing_rms_1s_w": swing_rms_w(p1, 1.0, lo, min(hi, 0.5)),
         "below_floor_waiting_s": int(below.sum()),
@@ -96,6 +106,8 @@ def figures(run: RunData, a: argparse.Namespace) -> dict[str, Any]:
 ROWS: tuple[tuple[str, str, str], ...] = (
     ("seconds over the ramp limit", "ramp_violation_s", ".1f"),
     ("largest 1-s ramp, W/s", "largest_ramp_w_per_s", ".1f"),
+    ("% of seconds over the ramp limit after 5 s", "ramp_violation_settled_pct", ".1f"),
+    ("largest 1-s ramp after 5 s, W/s", "largest_ramp_settled_w_per_s", ".1f"),
     ("swing RMS in band (0.1-s power), W", "swing_rms_w", ".1f"),
     ("swing RMS in band (1-s power), W", "swing_rms_1s_w", ".1f"),
     ("s below floor, low work waiting", "below_floor_waiting_s", ".1f"),
