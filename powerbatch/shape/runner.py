@@ -152,9 +152,10 @@ def queue_counts(queue: AdmissionQueue) -> QueueCounts:
 
 
 def plan_runner(
-    settings: ShapeSettings, controller: Controller, queue: AdmissionQueue
+    settings: ShapeSettings, controller: Controller, counts: Callable[[], QueueCounts]
 ) -> PlanRunner | None:
-    """The proxy's planner, or None when it is off."""
+    """A host's planner, or None when it is off. `counts` is the host's queue: the proxy's
+    admission queue (`queue_counts`), the engine's steps in the vLLM plugin."""
     if settings.planner != "on":
         return None
-    return PlanRunner(settings, controller, lambda: queue_counts(queue))
+    return PlanRunner(settings, controller, counts)
