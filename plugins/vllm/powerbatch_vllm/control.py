@@ -116,6 +116,7 @@ class EngineFeatures:
 
     def status_extra(self) -> dict[str, Any]:
         snap, caps, lim = self.stats.snapshot(), self.caps, self.sink.limits
+        counts = self.stats.queue_counts()
         return {
             "queue": {  # live, not as of the last tick
                 "in_flight": int(snap["running"]),
@@ -136,6 +137,13 @@ class EngineFeatures:
                     "block_size": caps.block_size,
                 },
                 "counters": dict(snap),
+                # What the shape planner reads: arrivals by class (vLLM's priority), requests
+                # finished after running, and those not yet scheduled, by class.
+                "requests": {
+                    "arrived": dict(counts.arrived),
+                    "completed": counts.completed,
+                    "queued": dict(counts.queued),
+                },
             },
         }
 
