@@ -413,8 +413,10 @@ def test_plugin_runs_the_planner_from_the_engines_counts() -> None:
     ct = _shaped_thread(ramp_up_w_per_s=20.0, floor_w=450.0, planner="on", plan_horizon_s=30)
     runner = ct.loop.plan
     assert isinstance(runner, PlanRunner)
-    t = _serve_seconds(ct, 3, time.monotonic())
+    t = _serve_seconds(ct, 2, time.monotonic())
     runner.clock = lambda: t
+    assert asyncio.run(runner.replan()) is None  # the first call starts the rate window
+    t = _serve_seconds(ct, 1, t, first_id=4)
     plan = asyncio.run(runner.replan())
     assert plan is not None and plan.status == "optimal" and len(plan.power_w) == 30
     assert plan.power_w[0] <= 300.0 + 20.0 + 1e-6  # one ramp from the meter
@@ -428,6 +430,9 @@ def test_plugin_runs_the_planner_from_the_engines_counts() -> None:
     assert d.deferrable == "release"  # under the floor with low work waiting, whatever the plan
     shape = ct.status()["shape"]
     assert shape["planner"] == "on" and shape["plan"]["status"] == "optimal"
+    requests = ct.status()["engine"]["requests"]
+    assert requests["arrived"] == {"high": 0, "normal": 5, "low": 5}
+    assert requests["queued"]["low"] == 5 and requests["completed"] == 5
     assert shape["planned_w"] == pytest.approx(planned) and len(shape["plan"]["next_w"]) == 10
     # Low work waited under the 450 W floor: counted as shortfall, from the engine's queue.
     assert shape["floor_shortfall_s"] > 0 and shape["floor_shortfall_w"] == pytest.approx(150.0)
