@@ -11,7 +11,7 @@ from powerbatch.admission import AdmissionQueue
 from powerbatch.control import ControlConfig, Controller, Limits
 from powerbatch.proxy import Governor, ProxyMetrics
 from powerbatch.shape import ShapeSettings
-from powerbatch.shape.runner import PlanRunner, queue_counts
+from powerbatch.shape.runner import PlanRunner, QueueCounts, queue_counts
 from powerbatch.telemetry import PowerMonitor, PowerSample
 
 
@@ -90,6 +90,8 @@ def test_planner_task_plans_and_the_tick_follows_it() -> None:
     runner = PlanRunner(shape, gov.controller, lambda: queue_counts(gov.queue), clock=lambda: src.t)
     gov.loop.plan = runner
     run_seconds(gov, src, [300.0] * 3)
+    assert asyncio.run(runner.replan()) is None  # the first call starts the rate window
+    run_seconds(gov, src, [300.0])
     plan = asyncio.run(runner.replan())
     assert plan is not None and plan.status == "optimal"
     assert len(plan.power_w) == 30
@@ -104,3 +106,24 @@ def test_planner_task_plans_and_the_tick_follows_it() -> None:
     assert status["plan"]["status"] == "optimal"
     assert status["planned_w"] == pytest.approx(planned)
     assert gov.metrics.registry.get_sample_value("powerbatch_shape_plan_solve_seconds") > 0
+
+
+def test_first_plan_waits_for_an_arrival_rate() -> None:
+    """A plan from one sample of the counts would see no arrivals, put the interactive load at
+    idle, and pull power down to it; the runner waits until the counts span a second."""
+    src = Timed()
+    shape = ShapeSettings(ramp_down_w_per_s=30.0, planner="on", plan_horizon_s=30)
+    gov = governor(src, shape)
+    run_seconds(gov, src, [300.0] * 3)
+    arrived = [0]
+
+    def counts() -> QueueCounts:
+        n = arrived[0]
+        return QueueCounts({"high": n, "low": 0}, n, 8, {"high": 0, "low": 0})
+
+    runner = PlanRunner(shape, gov.controller, counts, clock=lambda: src.t)
+    assert runner.inputs(src.t) is None
+    arrived[0] = 20  # 10 requests a second over the next 2 s
+    x = runner.inputs(src.t + 2.0)
+    assert x is not None
+    assert x.interactive_w[0] > x.idle_w + 10.0  # ten requests in flight are work, not idle

@@ -32,6 +32,7 @@ from powerbatch_vllm.plugin import _in_use
 from powerbatch.control import Limits
 from powerbatch.errors import ConfigError
 from powerbatch.settings import load
+from powerbatch.shape.runner import PlanRunner
 
 
 def plugin_config(**flat: Any) -> PluginConfig:
@@ -375,3 +376,112 @@ def test_engine_charges_each_request_by_its_steps() -> None:
     assert completion == 250.0
     energy = ct.status()["energy"]
     assert energy["in_flight"] == 1 and energy["by_class_j"]["normal"] == pytest.approx(375.0)
+
+
+# -- the shape planner inside the engine ----------------------------------------------------
+
+
+def test_step_stats_count_arrivals_starts_and_completions() -> None:
+    s = StepStats()
+    for req_id, cls in (("a", "high"), ("b", "low"), ("c", "low"), ("d", "normal")):
+        s.record_arrival(req_id, cls)
+    counts = s.queue_counts()
+    assert counts.arrived == {"high": 1, "normal": 1, "low": 2}
+    assert counts.queued == {"high": 1, "normal": 1, "low": 2}
+    assert s.queued_deferrable == 2
+    # a and b are scheduled for the first time; d is aborted while it waits.
+    s.record_requests({"a": (40, 0), "b": (40, 0)}, {"a": "high", "b": "low"})
+    s.record_requests({"a": (0, 1), "b": (0, 1)}, {}, finished=["d"])
+    counts = s.queue_counts()
+    assert counts.queued == {"high": 0, "normal": 0, "low": 1}
+    assert counts.completed == 0  # an abort in the queue is no completion
+    s.record_requests({"b": (0, 1)}, {}, finished=["a"])
+    s.record(
+        running=1, waiting=1, decode_reqs=1, decode_tokens=1, prefill_tokens=0, kv_blocks_used=4
+    )
+    counts = s.queue_counts()
+    assert counts.completed == 1 and counts.in_flight == 1
+    assert counts.arrived == {"high": 1, "normal": 1, "low": 2}  # cumulative
+    assert s.queued_deferrable == 1
+
+
+def _shaped_thread(**shape: Any) -> ControlThread:
+    cfg = plugin_config(
+        ceiling_w=600, mode="enforce", warmup_s=0.0, metrics_port=0, initial_batch=8, **shape
+    )
+    return ControlThread(cfg, CAPS, StepStats(), source=Watts(300.0))
+
+
+def _serve_seconds(ct: ControlThread, seconds: int, t0: float, first_id: int = 0) -> float:
+    """An engine at 8 running: two arrivals a second (one low), two completions, 5 ticks."""
+    t, n = t0, first_id
+    for _ in range(seconds):
+        for cls in ("normal", "low"):
+            ct.stats.record_arrival(f"r{n}", cls)
+            n += 1
+        ct.stats.record_requests({}, {f"r{n - 2}": "normal"}, finished=[f"r{n - 10}"])
+        for _ in range(5):
+            t += 0.2
+            ct.stats.record(
+                running=8,
+                waiting=3,
+                decode_reqs=8,
+                decode_tokens=8,
+                prefill_tokens=64,
+                kv_blocks_used=100,
+                t_s=t,
+            )
+            asyncio.run(ct.monitor.poll_once())
+            ct.tick(t)
+    return t
+
+
+def test_plugin_runs_the_planner_from_the_engines_counts() -> None:
+    off = _shaped_thread(ramp_up_w_per_s=20.0, floor_w=450.0)
+    assert off.loop.plan is None  # planner off: the reactive laws alone
+    ct = _shaped_thread(ramp_up_w_per_s=20.0, floor_w=450.0, planner="on", plan_horizon_s=30)
+    runner = ct.loop.plan
+    assert isinstance(runner, PlanRunner)
+    t = _serve_seconds(ct, 2, time.monotonic())
+    runner.clock = lambda: t
+    assert asyncio.run(runner.replan()) is None  # the first call starts the rate window
+    t = _serve_seconds(ct, 1, t, first_id=4)
+    plan = asyncio.run(runner.replan())
+    assert plan is not None and plan.status == "optimal" and len(plan.power_w) == 30
+    assert plan.power_w[0] <= 300.0 + 20.0 + 1e-6  # one ramp from the meter
+    x = runner.inputs(t + 1.0)
+    assert x is not None and x.deferrable_batch_s[0] > 0  # the engine's low queue is work
+    t = _serve_seconds(ct, 2, t, first_id=6)
+    d = ct.last
+    planned = runner.plan_w(t)
+    assert d is not None and d.power_w is not None and planned is not None
+    assert ct.history[-1].plan_w == pytest.approx(planned)  # the tick saw the plan
+    assert d.deferrable == "release"  # under the floor with low work waiting, whatever the plan
+    shape = ct.status()["shape"]
+    assert shape["planner"] == "on" and shape["plan"]["status"] == "optimal"
+    requests = ct.status()["engine"]["requests"]
+    assert requests["arrived"] == {"high": 0, "normal": 5, "low": 5}
+    assert requests["queued"]["low"] == 5 and requests["completed"] == 5
+    assert shape["planned_w"] == pytest.approx(planned) and len(shape["plan"]["next_w"]) == 10
+    # Low work waited under the 450 W floor: counted as shortfall, from the engine's queue.
+    assert shape["floor_shortfall_s"] > 0 and shape["floor_shortfall_w"] == pytest.approx(150.0)
+
+
+def test_plugin_planner_task_runs_on_the_control_threads_loop() -> None:
+    ct = _shaped_thread(ramp_up_w_per_s=20.0, planner="on", plan_horizon_s=30, plan_every_s=0.5)
+
+    _serve_seconds(ct, 2, time.monotonic())
+
+    async def go() -> dict[str, Any]:
+        await ct.loop.start()
+        try:
+            for _ in range(100):  # the plan task replans once the loop has ticked
+                await asyncio.sleep(0.05)
+                if ct.status()["shape"]["plan"]:
+                    break
+        finally:
+            await ct.loop.stop()
+        return ct.status()["shape"]
+
+    shape = asyncio.run(go())
+    assert shape["plan"] and shape["plan"]["status"] == "optimal"

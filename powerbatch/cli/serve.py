@@ -19,7 +19,7 @@ from powerbatch.errors import ConfigError, PowerbatchError, TelemetryError
 from powerbatch.fleet import attach, join
 from powerbatch.proxy import Governor, ProxyMetrics, create_app
 from powerbatch.proxy.app import create_admin_app
-from powerbatch.shape.runner import plan_runner
+from powerbatch.shape.runner import plan_runner, queue_counts
 from powerbatch.telemetry import (
     NvmlPowerLimiter,
     NvmlPowerSource,
@@ -193,7 +193,7 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
         source_averages=averaged,
         trace=open_trace(s.trace),
         actuator=make_actuator(s.limiter, s.power.gpu_indices()),
-        plan=plan_runner(s.shape, controller, queue),
+        plan=plan_runner(s.shape, controller, lambda: queue_counts(queue)),
         ceiling=member,
         energy=s.energy,
     )

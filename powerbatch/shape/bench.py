@@ -70,10 +70,16 @@ def swing_rms_w(p: np.ndarray, dt_s: float, lo_hz: float, hi_hz: float) -> float
     return float(np.sqrt(power.sum()))
 
 
+SETTLE_S = 5
+"""Seconds from the load's start that the "settled" ramp figures leave out: the proxy's silent
+warm-up (5 s at the initial batch) and the step from idle into the load, which every arm takes."""
+
+
 def figures(run: RunData, a: argparse.Namespace) -> dict[str, Any]:
     """Ramp, swing and floor figures of one run (the same for every arm, proxy or not)."""
     _, p1 = power_1s(run.trace, run.t0_s, run.t0_s + run.load_s)
     ramp = np.diff(p1)
+    settled = np.abs(ramp[SETTLE_S:])
     lo, hi = (float(x) for x in str(a.swing_band_hz).split(","))
     p10 = power_at(run, 0.1)
     # A second in which a low-class request was waiting for its first token.
@@ -86,6 +92,10 @@ def figures(run: RunData, a: argparse.Namespace) -> dict[str, Any]:
     return {
         "ramp_violation_s": int(np.sum(np.abs(ramp) > a.ramp_w_per_s)) if len(ramp) else None,
         "largest_ramp_w_per_s": float(np.abs(ramp).max()) if len(ramp) else None,
+        "ramp_violation_settled_pct": (
+            100.0 * float(np.mean(settled > a.ramp_w_per_s)) if len(settled) else None
+        ),
+        "largest_ramp_settled_w_per_s": float(settled.max()) if len(settled) else None,
         "swing_rms_w": swing_rms_w(p10, 0.1, lo, hi),
         "swing_rms_1s_w": swing_rms_w(p1, 1.0, lo, min(hi, 0.5)),
         "below_floor_waiting_s": int(below.sum()),
@@ -96,6 +106,8 @@ def figures(run: RunData, a: argparse.Namespace) -> dict[str, Any]:
 ROWS: tuple[tuple[str, str, str], ...] = (
     ("seconds over the ramp limit", "ramp_violation_s", ".1f"),
     ("largest 1-s ramp, W/s", "largest_ramp_w_per_s", ".1f"),
+    ("% of seconds over the ramp limit after 5 s", "ramp_violation_settled_pct", ".1f"),
+    ("largest 1-s ramp after 5 s, W/s", "largest_ramp_settled_w_per_s", ".1f"),
     ("swing RMS in band (0.1-s power), W", "swing_rms_w", ".1f"),
     ("swing RMS in band (1-s power), W", "swing_rms_1s_w", ".1f"),
     ("s below floor, low work waiting", "below_floor_waiting_s", ".1f"),
@@ -130,3 +142,76 @@ def plot_plan(runs: list[RunData], path: Any, title: str) -> Any:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+ARM_ORDER = ("none", "hwcap", "reactive", "reactive-shape", "planner")
+
+TABLE_ROWS: tuple[tuple[str, str, str, float], ...] = (
+    ("% of seconds over the {ramp} W/s ramp, after 5 s", "ramp_violation_settled_pct", ".1f", 1),
+    ("largest 1-s ramp after 5 s, W/s", "largest_ramp_settled_w_per_s", ".0f", 1),
+    ("seconds over the ramp, whole run", "ramp_violation_s", ".1f", 1),
+    ("largest 1-s ramp, whole run, W/s", "largest_ramp_w_per_s", ".0f", 1),
+    ("swing RMS {band} Hz (0.1-s power), W", "swing_rms_w", ".1f", 1),
+    ("s below the {floor} W floor while low work waited", "below_floor_waiting_s", ".1f", 1),
+    ("time above the ceiling, %", "frac_above_ceiling", ".2f", 100),
+    ("largest overshoot, W", "max_overshoot_w", ".1f", 1),
+    ("sd of 1-s power, W", "power_std_w", ".1f", 1),
+    ("goodput, req/s in SLO", "goodput_rps", ".2f", 1),
+    ("output tokens/s", "output_tok_s", ".0f", 1),
+    ("J per output token", "j_per_token", ".3f", 1),
+)
+"""The markdown table's rows: label (formatted with the bench's settings), key, format, scale."""
+
+
+def _stat(xs: list[float], spec: str, scale: float) -> str:
+    xs = [x * scale for x in xs]
+    if not xs:
+        return "—"
+    mean = float(np.mean(xs))
+    sd = float(np.std(xs, ddof=1)) if len(xs) > 1 else 0.0
+    return f"{mean:{spec}} ± {sd:{spec}}"
+
+
+def markdown_table(docs: list[dict[str, Any]]) -> str:
+    """One markdown table, arms as columns, from one or more `powerbatch bench` results.json
+    documents of the same load (an arm in several takes its last): mean ± sd over repeats."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    args: dict[str, str] = {}
+    for doc in docs:
+        same = ("profile", "duration_s", "ceiling_w", "seed", "ramp_w_per_s", "floor_w")
+        if args and any(doc["args"].get(k) != args.get(k) for k in same):
+            raise ValueError(f"results of different benches: {args} and {doc['args']}")
+        runs.update(doc["runs"])
+        args = doc["args"]
+    arms = [a for a in ARM_ORDER if a in runs] + [a for a in runs if a not in ARM_ORDER]
+
+    def num(key: str) -> str:
+        return f"{float(args[key]):g}" if key in args else "?"
+
+    names = {
+        "ramp": num("ramp_w_per_s"),
+        "floor": num("floor_w"),
+        "band": str(args.get("swing_band_hz", "?")).replace(",", "–"),
+    }
+    repeats = {len(runs[a]) for a in arms}
+    lines = [
+        f"**{args.get('profile', '?')} load, {num('duration_s')} s, ceiling "
+        f"{num('ceiling_w')} W, {args.get('gpu', '?')}, seeds from "
+        f"{args.get('seed', '?')}, {'/'.join(str(n) for n in sorted(repeats))} repeat(s); "
+        "mean ± sd over repeats**",
+        "",
+        "| figure | " + " | ".join(arms) + " |",
+        "|---|" + "---:|" * len(arms),
+    ]
+    for label, key, spec, scale in TABLE_ROWS:
+        cells = [
+            _stat([r[key] for r in runs[a] if r.get(key) is not None], spec, scale) for a in arms
+        ]
+        lines.append(f"| {label.format(**names)} | " + " | ".join(cells) + " |")
+    for p in ("high", "normal", "low"):
+        cells = []
+        for a in arms:
+            xs = [v for r in runs[a] if (v := r["latency"][p]["ttft_p95_s"]) is not None]
+            cells.append(_stat(xs, ".2f", 1))
+        lines.append(f"| p95 TTFT {p}, s | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -25,6 +25,9 @@ from powerbatch.shape.settings import ShapeSettings
 
 log = logging.getLogger("powerbatch.shape")
 
+MIN_RATE_S = 1.0
+"""The shortest span of counts the arrival and completion rates are taken over, s."""
+
 
 @dataclass(frozen=True, slots=True)
 class QueueCounts:
@@ -64,18 +67,22 @@ class PlanRunner:
         return self._summary
 
     def inputs(self, t_s: float) -> PlanInputs | None:
-        """The LP's inputs now, or None before the controller has a power reading."""
+        """The LP's inputs now, or None before the controller has a power reading or the
+        counts span `MIN_RATE_S` (the first call only starts the rate window: a plan from no
+        arrivals would put the interactive load at idle and pull the plan down to it)."""
         ctl, sh = self.controller, self.settings
-        d = ctl.last
-        if d is None or d.power_w is None or d.state not in ("enforce", "observe"):
-            return None
         now = self.counts()
         hist = self._history
         hist.append((t_s, now))
         while len(hist) > 2 and hist[1][0] <= t_s - self.window_s:
             hist.popleft()
+        d = ctl.last
+        if d is None or d.power_w is None or d.state not in ("enforce", "observe"):
+            return None
         t0, then = hist[0]
-        dt = max(t_s - t0, 1.0)
+        if t_s - t0 < MIN_RATE_S:
+            return None
+        dt = t_s - t0
         rate = {c: (n - then.arrived.get(c, 0)) / dt for c, n in now.arrived.items()}
         done_rps = (now.completed - then.completed) / dt
         service_s = now.in_flight / done_rps if done_rps > 0 else 10.0
@@ -130,13 +137,17 @@ class PlanRunner:
         return plan
 
     async def run_forever(self) -> None:
+        """Replan every `plan_every_s`; until the first plan (warm-up, no rate yet), every
+        second, so that the reactive controller is not left without a plan for a whole period."""
+        every_s = self.settings.plan_every_s
         while True:
+            plan = None
             try:
-                await self.replan()
+                plan = await self.replan()
             except Exception:  # a failed plan leaves the reactive controller in charge
                 log.exception("shape planner failed; the reactive controller holds")
                 self.plan = None
-            await asyncio.sleep(self.settings.plan_every_s)
+            await asyncio.sleep(every_s if plan is not None else min(MIN_RATE_S, every_s))
 
 
 def queue_counts(queue: AdmissionQueue) -> QueueCounts:
@@ -152,9 +163,10 @@ def queue_counts(queue: AdmissionQueue) -> QueueCounts:
 
 
 def plan_runner(
-    settings: ShapeSettings, controller: Controller, queue: AdmissionQueue
+    settings: ShapeSettings, controller: Controller, counts: Callable[[], QueueCounts]
 ) -> PlanRunner | None:
-    """The proxy's planner, or None when it is off."""
+    """A host's planner, or None when it is off. `counts` is the host's queue: the proxy's
+    admission queue (`queue_counts`), the engine's steps in the vLLM plugin."""
     if settings.planner != "on":
         return None
-    return PlanRunner(settings, controller, lambda: queue_counts(queue))
+    return PlanRunner(settings, controller, counts)

@@ -95,9 +95,13 @@ def pin_engine(server: VllmServer) -> set[int] | None:
 
 @contextlib.contextmanager
 def vllm_server(
-    name: str, plugin_env: dict[str, str], scheduler: str = SCHEDULER
+    name: str,
+    plugin_env: dict[str, str],
+    scheduler: str = SCHEDULER,
+    extra_args: tuple[str, ...] = (),
 ) -> Iterator[VllmServer]:
-    """`vllm serve` of the tiny model with a powerbatch `scheduler` class and `plugin_env`."""
+    """`vllm serve` of the tiny model with a powerbatch `scheduler` class and `plugin_env`
+    (and `extra_args` for `vllm serve`)."""
     _require_vllm()
     OUT.mkdir(parents=True, exist_ok=True)
     port, plugin_port = free_port(), free_port()
@@ -133,6 +137,7 @@ def vllm_server(
         str(STREAM_INTERVAL),
         "--scheduler-cls",
         scheduler,
+        *extra_args,
     ]
     child = Child(
         f"{name}-vllm", args, OUT, command=[str(VENV / "bin" / "vllm")], env=env, new_session=True

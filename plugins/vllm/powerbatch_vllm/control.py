@@ -4,7 +4,9 @@ The thread owns an asyncio loop that runs the shared `ControlLoop` (powerbatch.c
 the same power monitor, controller, feature window, status and trace as the proxy. Here the
 engine's exact step counts are the feature source, and each decision becomes one immutable
 `EngineLimits` that `schedule()` reads. The step never waits on this thread; if a tick fails,
-safe limits hold.
+safe limits hold. With `planner = on` the proxy's receding-horizon planner runs here too, on this
+thread's loop (its LP in a worker thread), fed from the engine's own counts: arrivals per class,
+completions and the requests not yet scheduled (StepStats), where the proxy reads its queue.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from powerbatch.control.loop import ControlLoop, HostSample, json_safe, open_tra
 from powerbatch.energy.accounting import EnergyAccounting
 from powerbatch.errors import ConfigError
 from powerbatch.fleet import attach, join
+from powerbatch.shape.runner import plan_runner
 from powerbatch.telemetry import (
     NvmlPowerSource,
     PowerMonitor,
@@ -105,6 +108,7 @@ class EngineFeatures:
             prefill_tokens_total=snap["prefill_tokens_total"],
             decode_tokens_total=snap["decode_tokens_total"],
             kv_cache_usage=usage,
+            queued_deferrable=self.stats.queued_deferrable,
         )
 
     def latency(self, t_s: float) -> LatencySnapshot:
@@ -112,6 +116,7 @@ class EngineFeatures:
 
     def status_extra(self) -> dict[str, Any]:
         snap, caps, lim = self.stats.snapshot(), self.caps, self.sink.limits
+        counts = self.stats.queue_counts()
         return {
             "queue": {  # live, not as of the last tick
                 "in_flight": int(snap["running"]),
@@ -132,6 +137,13 @@ class EngineFeatures:
                     "block_size": caps.block_size,
                 },
                 "counters": dict(snap),
+                # What the shape planner reads: arrivals by class (vLLM's priority), requests
+                # finished after running, and those not yet scheduled, by class.
+                "requests": {
+                    "arrived": dict(counts.arrived),
+                    "completed": counts.completed,
+                    "queued": dict(counts.queued),
+                },
             },
         }
 
@@ -247,6 +259,9 @@ class ControlThread:
             # own event loop, which owns its HTTP session.
             actuator=make_actuator(cfg.limiter, cfg.power.gpu_indices()),
             ceiling=member,
+            # The proxy's planner, fed from the engine's own arrivals, completions and queue;
+            # it solves in a worker thread of this thread's loop, never in `schedule()`.
+            plan=plan_runner(cfg.shape, self.controller, stats.queue_counts),
         )
         attach(member, self.loop)
         self.dp_rank = dp_rank

@@ -14,10 +14,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from powerbatch.control import LatencySnapshot, LatencyWindow, Limits
+from powerbatch.shape.runner import QueueCounts
 from powerbatch.telemetry.filters import ewma_step
 
 # vLLM's priorities are integers with no names; the controller's TTFT p95 counts these classes.
 LATENCY_CLASS = "normal"
+CLASSES = ("high", "normal", "low")  # what vLLM's priorities map to (powerbatch_vllm.energy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +131,12 @@ class StepStats:
         # (a long prefill may take seconds), the device draws its power, not idle.
         self._steps_pending = 0
         self._running_shape = (0.0, 0.0, 0.0)
+        # Arrivals per class, completions, and requests not yet scheduled once (the planner's
+        # queue), kept by the requests that come, start and finish: O(1) each, no queue scans.
+        self._arrived = dict.fromkeys(CLASSES, 0)
+        self._unstarted: dict[str, str] = {}  # req_id -> class
+        self._queued = dict.fromkeys(CLASSES, 0)
+        self._completed = 0
         # window sums since the last `take_window()`
         self._w_steps = 0
         self._w_decode_reqs = 0
@@ -179,6 +187,13 @@ class StepStats:
         with self._lock:
             self._steps_pending = max(0, self._steps_pending - 1)
 
+    def record_arrival(self, req_id: str, cls: str) -> None:
+        """A request reached the engine's queue (called from `add_request`)."""
+        with self._lock:
+            self._arrived[cls] = self._arrived.get(cls, 0) + 1
+            self._queued[cls] = self._queued.get(cls, 0) + 1
+            self._unstarted[req_id] = cls
+
     def record_requests(
         self,
         work: dict[str, tuple[int, int]],
@@ -186,8 +201,16 @@ class StepStats:
         finished: Iterable[str] = (),
     ) -> None:
         """One step's tokens per request (prefill, decode), the classes of requests new to the
-        step, and requests that finished: the energy ledger's input."""
+        step, and requests that finished: the energy ledger's input, and the planner's counts
+        (a request new to a step has left the queue; one that finishes without ever being
+        scheduled, aborted in the queue, is no completion)."""
+        finished = list(finished)
         with self._lock:
+            for req_id in classes:
+                self._start(req_id)
+            for req_id in finished:
+                if not self._start(req_id):
+                    self._completed += 1
             acc = self._req_work
             for req_id, (prefill, decode) in work.items():
                 row = acc.get(req_id)
@@ -198,6 +221,28 @@ class StepStats:
                     row[1] += decode
             self._req_class.update(classes)
             self._req_done.extend(finished)
+
+    def _start(self, req_id: str) -> bool:
+        """Take `req_id` off the queue; False if it was not there. The lock is held."""
+        cls = self._unstarted.pop(req_id, None)
+        if cls is None:
+            return False
+        self._queued[cls] -= 1
+        return True
+
+    def queue_counts(self) -> QueueCounts:
+        """What the shape planner reads (powerbatch.shape.runner): cumulative arrivals per
+        class and completions, the running set and the requests never scheduled, per class."""
+        with self._lock:
+            return QueueCounts(
+                dict(self._arrived), self._completed, self.running, dict(self._queued)
+            )
+
+    @property
+    def queued_deferrable(self) -> int:
+        """Low-class requests waiting for their first step."""
+        with self._lock:
+            return self._queued.get("low", 0)
 
     def take_requests(self) -> tuple[dict[str, list[int]], dict[str, str], list[str]]:
         """Work, classes and finished requests since the last call."""

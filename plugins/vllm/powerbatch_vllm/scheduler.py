@@ -13,6 +13,10 @@ vLLM schedule as usual:
   max_tokens of each request, as the proxy counts it) would pass the cap; running requests
   keep growing (capping them would mean preempting).
 
+`add_request()` counts each arrival by class (vLLM's priority) for the shape planner: O(1) per
+request; starts and completions come from the step's new and finished request ids, O(new
+requests) per step.
+
 No value is ever raised above what vLLM was configured with. Use the async flavour wherever vLLM
 would schedule asynchronously (GPU deployments); the plain one where it would not (e.g. CPU).
 """
@@ -215,11 +219,20 @@ class _PowerbatchMixin:
         if pb is not None:
             pb.stop()
 
-    # The four overrides, written once: the mixin comes first in each flavour's bases, so
+    # The overrides, written once: the mixin comes first in each flavour's bases, so
     # super() is vLLM's Scheduler or AsyncScheduler.
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._pb_setup()
+
+    def add_request(self, request: Any) -> None:
+        # A request id vLLM already holds is the next chunk of a streaming input, no arrival.
+        s: Any = self
+        arriving = request.request_id not in s.requests
+        super().add_request(request)  # type: ignore[misc]
+        if arriving:
+            cls = priority_class(getattr(request, "priority", None))
+            self._pb_stats.record_arrival(request.request_id, cls)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         self._pb_before()
