@@ -248,3 +248,31 @@ def test_a_stale_latency_window_does_not_collapse_the_batch() -> None:
     late = limits[-150:]
     assert min(limits[len(limits) // 3 :]) >= 20, min(limits[len(limits) // 3 :])
     assert np.median(late) <= 48, np.median(late)
+
+
+def test_the_prefill_pace_leaves_room_for_the_batch() -> None:
+    """Prompts are compute: a burst of them is a burst of watts that the batch limit does not
+    see (a request replacing one that finished keeps the batch the same size). The pace must
+    let through only the prompt tokens whose watts fit under the target, learnt from the plant,
+    and not a fixed multiple of the usual prompt flow: on a plant where 1,000 prompt tokens a
+    second draw 12 W, a batch that already draws 470 W leaves room for about 7,000."""
+    per_tok_w = 0.012
+
+    def plant(batch: float, prefill_tok_s: float) -> float:
+        return 380.0 + 3.0 * batch + per_tok_w * prefill_tok_s
+
+    rng = np.random.default_rng(3)
+    ctl = Controller(ControlConfig(ceiling_w=600.0, max_batch=256))
+    for i in range(90 * 5):  # mixed operating points, a queue throughout
+        batch = 15 + i % 16
+        prefill = float(rng.uniform(0.0, 14_000.0))
+        power = plant(batch, prefill) + rng.normal(0.0, 3.0)
+        feats = Features(batch, 900.0 * batch, prefill, 30.0 * batch)
+        ctl.tick(Observation(i / 5, power, True, feats, batch, 50))
+    batch, prefill = 30, 1_000.0
+    feats = Features(batch, 900.0 * batch, prefill, 30.0 * batch)
+    d = ctl.tick(Observation(90.0, plant(batch, prefill), True, feats, batch, 50))
+    pace = d.enforced.prefill_tok_s
+    assert pace is not None
+    room_tok_s = (d.target_w - plant(batch, 0.0)) / per_tok_w
+    assert 0.6 * room_tok_s <= pace <= 1.1 * room_tok_s, (pace, room_tok_s, d.target_w)

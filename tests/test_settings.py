@@ -113,7 +113,7 @@ def test_every_gain_is_a_setting() -> None:
     assert (s.control.gains.power_gain, s.control.gains.kv_lead) == (0.5, 3.0)
     assert s.control.gains.demand_slack == 0
     with pytest.raises(ConfigError, match="pace_max"):
-        serve_settings(pace_min=4, pace_max=2)
+        serve_settings(pace_max=0.5)
 
 
 def test_parse_value_by_annotation() -> None:

@@ -81,7 +81,7 @@ class AdmissionQueue:
         max_wait_s: Mapping[str, float] | None = None,
         valley_fill: bool = False,
         fill_reserve_frac: float = 0.1,
-        prefill_burst_s: float = 1.0,
+        prefill_burst_s: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.limits = limits

@@ -17,6 +17,12 @@ class AdmissionSettings:
         30.0, "longest wait in the queue, s (low class: 10x with valley fill)", gt=0
     )
     valley_fill: bool = setting(False, "hold deferrable (low) work for power troughs")
+    # The prefill pace is a token bucket this many seconds deep: in any one second, up to
+    # (1 + prefill_burst_s) x the pace may start. Deeper lets an idle queue's first burst land
+    # as a burst of watts; shallower makes a long prompt wait for a fuller bucket.
+    prefill_burst_s: float = setting(
+        0.25, "depth of the prefill pace's token bucket, s of the pace", gt=0, le=5
+    )
 
     def __post_init__(self) -> None:
         check_bounds(self)

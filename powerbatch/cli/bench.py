@@ -1,6 +1,8 @@
 """`powerbatch bench`: the same seeded load through each arm, repeated, side by side.
 
 Arms: `none` (the simulated server alone), `hwcap` (its hardware power limit at the ceiling),
+`hwcap-hop` (the same cap with powerbatch in front only observing: what the extra HTTP hop and
+the proxy's CPU cost the latencies on this machine, apart from any decision of powerbatch's),
 `static` (a fixed batch limit, vLLM's --max-num-seqs, as an operator would tune it),
 `admission` (powerbatch in front, admission alone) and `powerbatch` (powerbatch in front with
 the device power limit as a second actuator, set through the simulator's zeusd API). Each arm
@@ -31,7 +33,8 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 ARMS = ("none", "hwcap", "static", "admission", "powerbatch")  # the default comparison
-PROXIED = ("admission", "powerbatch", *SHAPE_ARMS)
+EXTRA_ARMS = ("hwcap-hop",)  # on request: separates the hop's cost from the decisions'
+PROXIED = ("admission", "powerbatch", "hwcap-hop", *SHAPE_ARMS)
 DEFAULT_CEILING_W = 600.0
 
 
@@ -127,12 +130,14 @@ async def run_arm(
         "--seed",
         str(a.seed),
     ]
-    if arm == "hwcap":
+    if arm in ("hwcap", "hwcap-hop"):
         sim_args += ["--power-limit-w", str(a.ceiling_w)]
     if arm == "static":
         sim_args += ["--max-num-seqs", str(static_batch)]
     plan = profile.plan(a.duration_s, a.seed)
     extra = SHAPE_ARMS[arm](a) if arm in SHAPE_ARMS else []
+    if arm == "hwcap-hop":
+        extra = ["--mode", "observe"]
     async with Stack(
         log_dir / arm,
         sim_args=sim_args,
@@ -278,7 +283,7 @@ async def _bench(a: argparse.Namespace) -> int:
 
     console = Console()
     arms = [x.strip() for x in a.arms.split(",") if x.strip()]
-    unknown = set(arms) - set(ARMS) - set(SHAPE_ARMS)
+    unknown = set(arms) - set(ARMS) - set(EXTRA_ARMS) - set(SHAPE_ARMS)
     if unknown:
         console.print(f"[red]unknown arms: {', '.join(sorted(unknown))}")
         return 2

@@ -171,7 +171,11 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
         initial = Limits(cfg.max_batch, cfg.max_kv_tokens, None)
     a = s.admission
     queue = AdmissionQueue(
-        initial, max_queue_len=a.max_queue_len, max_wait_s=a.waits_s(), valley_fill=a.valley_fill
+        initial,
+        max_queue_len=a.max_queue_len,
+        max_wait_s=a.waits_s(),
+        valley_fill=a.valley_fill,
+        prefill_burst_s=a.prefill_burst_s,
     )
     monitor = PowerMonitor(
         make_power_source(s, kind),

@@ -83,9 +83,9 @@ class Gains:
     # KV. The cap is kv_lead × batch × the learned KV per request: room for the spread of
     # context lengths, yet a shift to much longer contexts is capped before its power shows.
     kv_lead: float = setting(2.0, "KV cap as a multiple of the batch's usual KV", ge=1)
-    # Prefill pace: between pace_min and pace_max times the steady prompt flow — less starves
-    # the batch it feeds, more lets a burst of prompts through as a burst of watts.
-    pace_min: float = setting(1.5, "slowest prefill pace, × the steady prompt flow", ge=1)
+    # Prefill pace: the fastest prompt flow whose modelled watts fit under the target, at most
+    # pace_max times the batch's steady prompt flow (more lets a burst through as a burst of
+    # watts the model has not seen); the floor is ControlConfig.min_prefill_tok_s.
     pace_max: float = setting(3.0, "fastest prefill pace, × the steady prompt flow", ge=1)
     # Demand: the batch may lead the last demand_window_s's peak demand by this factor plus
     # demand_slack requests, so a burst ramps in instead of landing at once.
@@ -117,8 +117,6 @@ class Gains:
 
     def __post_init__(self) -> None:
         check_bounds(self)
-        if self.pace_max < self.pace_min:
-            raise ConfigError(f"pace_max ({self.pace_max}) is below pace_min ({self.pace_min})")
 
 
 @dataclass(frozen=True, slots=True)

@@ -220,10 +220,7 @@ class Controller:
             i = round(min(max(n, cfg.min_batch), cfg.max_batch)) - cfg.min_batch
             return float(mean_w[i])
 
-        # One fresh reading's spread: what separates a mean from a second over the ceiling.
-        # The meter's own recent spread is the better measure where it is smaller than the
-        # model's residuals (which also hold model misfit); the model's covers a quiet meter.
-        noise_w = min(self.model.noise_quantile_w(), self._meter_spread_w())
+        noise_w = self._noise_w()
         here_w = mean_at(anchor_batch)
 
         def anchored_upper(n: int) -> float:
@@ -245,6 +242,14 @@ class Controller:
         # step under a long queue); one, not as many as fit, since the anchor is one reading.
         probe = next((n for n in (current + step, current + 1) if anchored_upper(n) <= room_w), 0)
         return max(n_grow, probe, current)
+
+    def _noise_w(self) -> float:
+        """One fresh reading's spread: what separates a mean from a second over the ceiling.
+
+        The meter's own recent spread is the better measure where it is smaller than the
+        model's residuals (which also hold model misfit); the model's covers a quiet meter.
+        """
+        return min(self.model.noise_quantile_w(), self._meter_spread_w())
 
     def _meter_spread_w(self) -> float:
         """The upper quantile of recent 1-second power around its mean (`meter_window_s`)."""
@@ -298,19 +303,32 @@ class Controller:
         by_shape = lead * batch * self._shape.kv_tokens * self._kv_scale
         return int(min(self.config.max_kv_tokens, max(by_shape, self._shape.kv_tokens)))
 
-    def _prefill_pace(self, batch: int, target_w: float) -> float | None:
+    def _prefill_pace(
+        self, now: Features, power_w: float, batch: int, target_w: float
+    ) -> float | None:
+        """Prompt tokens per second the watts allow, on top of the batch's decode.
+
+        Prefill is compute-bound: a burst of prompts is a burst of watts that the batch limit
+        does not see (a request replacing one that finished keeps the batch the same size).
+        So the pace is the fastest rate whose modelled watts over the prefill flowing now,
+        added to the 1-second meter, fit under the target: the meter for the level, the model
+        for the slope, as in the batch law. Near the target the pace is about the prompt flow
+        now; over it, slower. It never exceeds `pace_max` x the batch's steady prompt flow (a
+        burst let through at once is a burst of watts the model has not seen) and never falls
+        under `min_prefill_tok_s` (a trickle still feeds the batch; the batch law, not a
+        stalled queue, answers a plant whose decode fills the target). Not counted: the decode
+        of the requests the pace admits (the batch law holds that), nor one reading's spread
+        (the batch law adds it; added here too, it starved the batch of prompts).
+        """
         cfg = self.config
         if not cfg.prefill_pacing:
             return None
-        steady = max(self._shape.prefill_tok_s * batch, cfg.min_prefill_tok_s)
-        # Between pace_min and pace_max x the steady flow: less starves the batch it is meant
-        # to feed, more lets a burst of prompts through as a burst of watts.
-        g = cfg.gains
-        rates = steady * np.geomspace(g.pace_min, g.pace_max, 3)
-        at_batch = self._shape.scaled(float(batch))
-        upper = self.model.predict([at_batch.with_prefill(float(r)) for r in rates]).upper_w
-        ok = rates[upper <= target_w]
-        return float(ok.max()) if len(ok) else float(rates[0])
+        floor = cfg.min_prefill_tok_s
+        top = max(self._shape.prefill_tok_s * batch * cfg.gains.pace_max, floor)
+        rates = np.geomspace(floor, top, 16)
+        mean_w = self.model.predict([now.with_prefill(float(r)) for r in rates] + [now]).mean_w
+        ok = rates[power_w + mean_w[:-1] - mean_w[-1] <= target_w]
+        return float(ok.max()) if len(ok) else floor
 
     def _as_enforced(
         self, obs: Observation, current: int, mean_w: np.ndarray
@@ -551,7 +569,7 @@ class Controller:
             reserve = min(cfg.max_batch - self._batch, math.ceil(g.reserve_frac * self._batch))
         # Under a device limit a burst of prompts is clipped by the driver within milliseconds;
         # pacing it as well would only delay first tokens.
-        pace = None if capped else self._prefill_pace(self._batch, target_w)
+        pace = None if capped else self._prefill_pace(obs.features, power_w, self._batch, target_w)
         limits = Limits(self._batch, kv_limit, pace, reserve)
         return self._decide(
             obs,
