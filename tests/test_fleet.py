@@ -332,6 +332,8 @@ def test_a_member_is_never_given_less_than_its_floor(
             await asyncio.sleep(3 * PERIOD_S)  # a few more allocations
             assert cold.usable_w() >= floor_w - 1e-6
             assert hot.usable_w() <= BUDGET_W - floor_w + 1e-6
+            bid = cold.status_extra()["fleet"]["bid"]  # what the allocator saw, for diagnosis
+            assert bid["min_w"] == floor_w and bid["want_w"] == 0.0
         finally:
             await hot.stop()
             await cold.stop()

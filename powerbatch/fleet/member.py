@@ -113,6 +113,7 @@ class FleetMember:
         self.reallocations = 0
         self.redis_error: str | None = None
         self.committed_w: float | None = None
+        self.bid: dict[str, float] = {}  # what its last renewal published: the allocator's view
 
     # -- the ceiling --------------------------------------------------------------------------
 
@@ -176,6 +177,7 @@ class FleetMember:
                 "members_seen": self.members_seen,
                 "reallocations": self.reallocations,
                 "redis_error": self.redis_error,
+                "bid": dict(self.bid),
             }
         }
 
@@ -308,6 +310,7 @@ class FleetMember:
         ]
         for k, v in fields.items():
             args += [k, v]
+        self.bid = {k: float(v) for k, v in fields.items() if isinstance(v, int | float)}
         try:
             reply = await self.client.eval(scripts.RENEW, 1, self.prefix, *args)
         except BaseException:
