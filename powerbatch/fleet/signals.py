@@ -1,14 +1,21 @@
-"""A member's bid from its own control loop: the marginal value of a watt and its demand's power.
+"""A member's bid from its own control loop: how much power its demand needs, and how much
+goodput that power buys.
 
-Estimate (docs/fleet.md): at the loop's operating point (the last tick's 1-s features, batch b),
-the power model gives the watts one more request in flight costs,
-dP/db ~ P(shape * (b + 1)) - P(shape * b), and the loop measures each request's decode rate,
-r = decode tok/s / b. A watt more buys about 1 / (dP/db) more requests, so
+Goodput is requests served within their SLO per second. The allocator (allocate.py) models a
+member's goodput as concave in its share w, saturating at its want W:
+g(w) = v (w - w² / 2W) for w < W, so g(W) = v W / 2. The bid sets g(W) to the member's demand D,
+the requests in flight plus those queued (by Little's law the arrival rate times the time in
+the system, so a backlog that grows because watts are short raises it):
 
-    value_per_w = r / (dP/db)      tokens/s per W,
+    value_per_w = 2 D / W      requests per W (the member weights it by the class of its demand)
 
-and `want_w` = P(shape * (in flight + queued)): what serving all the demand would draw. With
-no demand there is nothing to buy: value 0, want the idle power.
+`want_w` W is what serving all of D would draw: the power model at the last per-request shape
+scaled to D. While a device limit holds the member and its meter reads at the limit
+(`PINNED_FRAC`), the meter shows the cap and not the demand, and a model taught near the cap
+under-reads it too: the demand then draws more than the limit, by an amount it cannot see, so W
+is at least `limit × (1 + RAISE_FRAC)`. A member held at its share with work asks for a step more
+each period until it is no longer held (or reaches its maximum), rather than asking for the
+share it already has. With no demand there is nothing to buy: value 0, want the model's idle.
 
 Without a device power limit, admission holds a ceiling only by the batch, and the batch's
 smallest step is one request: `floor_w` = P(shape * min_batch) is the least such a member can
@@ -24,7 +31,8 @@ from powerbatch.control.loop import ControlLoop
 from powerbatch.estimate import Features
 from powerbatch.fleet.member import MemberSignals
 
-MIN_SLOPE_W = 0.5  # W per request: a floor so a flat early model does not promise the moon
+PINNED_FRAC = 0.95  # measured power at this share of the device limit or more: held by it
+RAISE_FRAC = 0.25  # a held member's want is this much over its limit
 
 
 class LoopSignals:
@@ -47,22 +55,17 @@ class LoopSignals:
         f = rec.features
         if f.batch >= 1:
             self._shape = f.per_request()
-        value, want, floor = 0.0, 0.0, 0.0
+        want, floor = 0.0, 0.0
         model = loop.controller.model
         shape = self._shape
         if shape is not None:
             want = model.predict_one(shape.scaled(float(demand)))[0]
             if loop.actuator is None:
                 floor = model.predict_one(shape.scaled(float(loop.controller.config.min_batch)))[0]
-            if demand > 0 and f.batch >= 1:
-                b = f.batch
-                slope = (
-                    model.predict_one(shape.scaled(b + 1))[0]
-                    - model.predict_one(shape.scaled(b))[0]
-                )
-                value = (f.decode_tok_s / b) / max(slope, MIN_SLOPE_W)
-            elif demand > 0:  # queued but nothing running (held at the minimum): worth a lot
-                value = shape.decode_tok_s / MIN_SLOPE_W
+        limit_w, power_w = rec.power_limit_w or 0.0, rec.power_w or 0.0
+        if demand > 0 and limit_w > 0 and power_w >= PINNED_FRAC * limit_w:
+            want = max(want, limit_w * (1.0 + RAISE_FRAC))  # held by the limit: it draws more
+        value = 2.0 * demand / want if demand > 0 and want > 0 else 0.0
         return MemberSignals(
             power_w=rec.power_w,
             in_flight=rec.in_flight,
