@@ -9,13 +9,16 @@ the system, so a backlog that grows because watts are short raises it):
 
     value_per_w = 2 D / W      requests per W (the member weights it by the class of its demand)
 
+D rises at once and falls with a time constant `DEMAND_TAU_S`: a snapshot of a light load
+swings between 0 and a few requests, and a share that followed it would swing as well.
+
 `want_w` W is what serving all of D would draw: the power model at the last per-request shape
-scaled to D. While a device limit holds the member and its meter reads at the limit
-(`PINNED_FRAC`), the meter shows the cap and not the demand, and a model taught near the cap
-under-reads it too: the demand then draws more than the limit, by an amount it cannot see, so W
-is at least `limit × (1 + RAISE_FRAC)`. A member held at its share with work asks for a step more
-each period until it is no longer held (or reaches its maximum), rather than asking for the
-share it already has. With no demand there is nothing to buy: value 0, want the model's idle.
+scaled to D. While a device limit holds the member (its meter at `PINNED_FRAC` of the limit or
+more) and it has work, the meter shows the cap and not the demand, and a model taught near the
+cap under-reads it too: the demand draws more than the limit, by an amount that cannot be
+measured. W is then the most the device accepts (its highest limit), so the bid does not
+depend on the share the member already has (a want tied to the current share would move every
+time the share did). With no demand there is nothing to buy: value 0, want the model's idle.
 
 Without a device power limit, admission holds a ceiling only by the batch, and the batch's
 smallest step is one request: `floor_w` = P(shape * min_batch) is the least such a member can
@@ -25,6 +28,7 @@ caps the power at any share, and the floor is left to `fleet_min_share_w`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from powerbatch.control.loop import ControlLoop
@@ -32,7 +36,7 @@ from powerbatch.estimate import Features
 from powerbatch.fleet.member import MemberSignals
 
 PINNED_FRAC = 0.95  # measured power at this share of the device limit or more: held by it
-RAISE_FRAC = 0.25  # a held member's want is this much over its limit
+DEMAND_TAU_S = 5.0  # how slowly the demand in the bid falls
 
 
 class LoopSignals:
@@ -44,6 +48,7 @@ class LoopSignals:
         self.loop = loop
         self.queued_by_class = queued_by_class
         self._shape: Features | None = None  # the last per-request shape seen under load
+        self._demand: tuple[float, float] | None = None  # (t_s, demand as bid)
 
     def __call__(self) -> MemberSignals:
         loop = self.loop
@@ -51,7 +56,7 @@ class LoopSignals:
         if rec is None:
             return MemberSignals()
         by_class = self.queued_by_class() if self.queued_by_class else {"normal": rec.queued}
-        demand = rec.in_flight + rec.queued
+        demand = self._smoothed(rec.t_s, float(rec.in_flight + rec.queued))
         f = rec.features
         if f.batch >= 1:
             self._shape = f.per_request()
@@ -63,8 +68,9 @@ class LoopSignals:
             if loop.actuator is None:
                 floor = model.predict_one(shape.scaled(float(loop.controller.config.min_batch)))[0]
         limit_w, power_w = rec.power_limit_w or 0.0, rec.power_w or 0.0
-        if demand > 0 and limit_w > 0 and power_w >= PINNED_FRAC * limit_w:
-            want = max(want, limit_w * (1.0 + RAISE_FRAC))  # held by the limit: it draws more
+        bounds = loop.actuator.bounds_w() if loop.actuator is not None else None
+        if demand > 0 and limit_w > 0 and power_w >= PINNED_FRAC * limit_w and bounds:
+            want = max(want, bounds[1])  # held by the limit: it would draw more than it may
         value = 2.0 * demand / want if demand > 0 and want > 0 else 0.0
         return MemberSignals(
             power_w=rec.power_w,
@@ -74,3 +80,12 @@ class LoopSignals:
             want_w=max(want, 0.0),
             floor_w=max(floor, 0.0),
         )
+
+    def _smoothed(self, t_s: float, demand: float) -> float:
+        """The demand as bid: a rise at once, a fall with time constant `DEMAND_TAU_S`."""
+        if self._demand is not None:
+            t0, prev = self._demand
+            keep = math.exp(-max(t_s - t0, 0.0) / DEMAND_TAU_S)
+            demand = max(demand, prev * keep + demand * (1.0 - keep))
+        self._demand = (t_s, demand)
+        return demand
