@@ -29,10 +29,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.exceptions import RedisError
 
 from powerbatch.fleet import scripts
-from powerbatch.fleet.allocate import Bid, water_fill
+from powerbatch.fleet.allocate import Bid, hold_small_moves, water_fill
 from powerbatch.fleet.settings import FleetSettings
 
 log = logging.getLogger("powerbatch.fleet")
+
+DEAD_BAND_FRAC = 0.1  # the leader moves no share by less than this share of the safe share
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,12 +374,15 @@ class FleetMember:
             rows = await pipe.execute()
         budget = self.settings.fleet_budget_w
         bids: dict[str, Bid] = {}
+        grants: dict[str, float] = {}
         for i, h in zip(ids, rows, strict=True):
             if not h:
                 continue
             if h.get("lost") == "1":
                 budget -= _f(h.get("safe_w"))  # reserved while it may be on it
                 continue
+            if h.get("grant") not in (None, ""):
+                grants[i] = _f(h.get("grant"))
             bids[i] = Bid(
                 value_per_w=_f(h.get("value_per_w")),
                 want_w=_f(h.get("want_w")),
@@ -385,6 +390,7 @@ class FleetMember:
                 max_w=_f(h.get("max_w"), budget),
             )
         targets = water_fill(bids, max(budget, 0.0))
+        targets = hold_small_moves(targets, grants, DEAD_BAND_FRAC * self.safe_w)
         args: list[Any] = [self.id, int(self.ttl_s * 1000), self.settings.fleet_budget_w]
         for i, w in targets.items():
             args += [i, round(w, 3)]
