@@ -310,7 +310,7 @@ def test_watts_a_member_still_draws_after_its_cut_are_not_given_away(
 def test_a_member_is_never_given_less_than_its_floor(
     redis_server: RedisServer,  # noqa: F811
 ) -> None:
-    """A server that draws 480 W serving one request cannot hold a 100 W share by admission;
+    """A server that draws 400 W serving one request cannot hold a 100 W share by admission;
     the allocator gives the hot member only what is left above that floor."""
 
     async def body() -> None:
@@ -323,7 +323,7 @@ def test_a_member_is_never_given_less_than_its_floor(
             fleet_lease_ttl_s=TTL_S,
             fleet_publish_interval_s=PERIOD_S,
         )
-        floor_w = 480.0
+        floor_w = 400.0  # far enough under half the budget to be a move, not a small one
         hot = FleetMember(
             settings,
             "hot",
