@@ -1,7 +1,7 @@
 """Water-filling: shares that equalise the marginal value of a watt across members.
 
-Each member i reports `value_per_w` v_i (its goodput per watt at its operating point, weighted by
-the priority of its demand) and `want_w` W_i (the power that would serve all its demand). Its
+Each member i reports `value_per_w` v_i (the goodput its first watt buys, weighted by the priority
+of its demand; signals.py) and `want_w` W_i (the power that would serve all its demand). Its
 goodput is modelled as concave and saturating at W_i, with marginal value
 
     m_i(w) = v_i * (1 - w / W_i)   for w < W_i,  0 beyond,
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 class Bid:
     """What the allocator knows of one member."""
 
-    value_per_w: float  # v_i: weighted goodput per watt at the operating point, >= 0
+    value_per_w: float  # v_i: weighted goodput per watt at a share of 0, >= 0
     want_w: float  # W_i: the power its demand would draw
     min_w: float
     max_w: float

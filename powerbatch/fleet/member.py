@@ -44,7 +44,7 @@ class MemberSignals:
     power_w: float | None = None
     in_flight: int = 0
     queued_by_class: dict[str, int] = field(default_factory=dict)
-    value_per_w: float = 0.0  # d(goodput)/d(watts), tokens/s per W, unweighted
+    value_per_w: float = 0.0  # d(goodput)/d(watts), requests per W, unweighted
     want_w: float = 0.0  # the power serving all its demand would draw
     floor_w: float = 0.0  # the least it can hold while it serves at all (0: any share)
 
