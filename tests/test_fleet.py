@@ -19,7 +19,7 @@ from redis_server import RedisServer, redis_server  # noqa: F401 - the fixture
 
 from powerbatch.errors import ConfigError
 from powerbatch.fleet import Bid, FleetSettings, water_fill
-from powerbatch.fleet.allocate import marginal_value
+from powerbatch.fleet.allocate import hold_small_moves, marginal_value
 from powerbatch.fleet.member import FleetMember, MemberSignals
 
 BUDGET_W = 1000.0
@@ -55,6 +55,15 @@ def test_water_fill_spreads_spare_watts_and_scales_infeasible_minima() -> None:
     assert shares == pytest.approx(dict.fromkeys("abc", 200.0))
     tight = water_fill({k: Bid(1.0, 100.0, 300.0, 400.0) for k in "ab"}, 400.0)
     assert sum(tight.values()) == pytest.approx(400.0)
+
+
+def test_small_moves_are_held_and_large_ones_made() -> None:
+    """A lower share cuts a member's batch; one a few watts lower buys nobody anything."""
+    targets = {"hot": 690.0, "a": 380.0, "b": 330.0, "c": 400.0}
+    grants = {"hot": 680.0, "a": 395.0, "b": 420.0, "c": 300.0}
+    held = hold_small_moves(targets, grants, band_w=45.0)
+    assert held == {"hot": 680.0, "a": 395.0, "b": 330.0, "c": 400.0}
+    assert hold_small_moves(targets, {}, band_w=45.0) == targets  # no grant yet: the target
 
 
 def test_safe_shares_sum_within_budget_and_bad_settings_refused() -> None:
@@ -301,7 +310,7 @@ def test_watts_a_member_still_draws_after_its_cut_are_not_given_away(
 def test_a_member_is_never_given_less_than_its_floor(
     redis_server: RedisServer,  # noqa: F811
 ) -> None:
-    """A server that draws 480 W serving one request cannot hold a 100 W share by admission;
+    """A server that draws 400 W serving one request cannot hold a 100 W share by admission;
     the allocator gives the hot member only what is left above that floor."""
 
     async def body() -> None:
@@ -314,7 +323,7 @@ def test_a_member_is_never_given_less_than_its_floor(
             fleet_lease_ttl_s=TTL_S,
             fleet_publish_interval_s=PERIOD_S,
         )
-        floor_w = 480.0
+        floor_w = 400.0  # far enough under half the budget to be a move, not a small one
         hot = FleetMember(
             settings,
             "hot",
@@ -332,6 +341,8 @@ def test_a_member_is_never_given_less_than_its_floor(
             await asyncio.sleep(3 * PERIOD_S)  # a few more allocations
             assert cold.usable_w() >= floor_w - 1e-6
             assert hot.usable_w() <= BUDGET_W - floor_w + 1e-6
+            bid = cold.status_extra()["fleet"]["bid"]  # what the allocator saw, for diagnosis
+            assert bid["min_w"] == floor_w and bid["want_w"] == 0.0
         finally:
             await hot.stop()
             await cold.stop()

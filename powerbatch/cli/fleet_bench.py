@@ -134,6 +134,9 @@ async def _poll(
             except Exception:
                 return
             fleet = doc.get("fleet") or {}
+            bid = fleet.get("bid") or {}
+            limit = doc.get("power_limit") or {}
+            queue = doc.get("queue") or {}
             rows.append(
                 {
                     "t_s": time.monotonic() - t0,
@@ -142,6 +145,13 @@ async def _poll(
                     "state": fleet.get("state"),
                     "leader": fleet.get("leader"),
                     "power_w": doc["power"]["measured_w"],
+                    "limit_w": limit.get("in_force_w"),
+                    "batch": (doc["limits"]["enforced"] or {}).get("max_requests"),
+                    "in_flight": queue.get("in_flight"),
+                    "waiting": queue.get("waiting"),
+                    "binding": doc.get("binding"),
+                    "predicted_w": doc["power"].get("predicted_w"),
+                    **{f"bid_{k}": v for k, v in bid.items()},
                 }
             )
 
@@ -264,6 +274,13 @@ def with_energy_now(trace: dict[str, list[float]], state: dict[str, Any]) -> dic
     return out
 
 
+def within_slo(r: RequestResult, a: argparse.Namespace) -> bool:
+    """Goodput counts a request that finished with its first token and every later one in time."""
+    if not r.ok or r.ttft_s is None or r.ttft_s > a.ttft_slo_s:
+        return False
+    return r.tpot_s is None or r.tpot_s <= a.tpot_slo_s
+
+
 def summarize(
     arm: str,
     a: argparse.Namespace,
@@ -278,14 +295,19 @@ def summarize(
     total = np.sum([p[:k] for p in per], axis=0)
     over = total > a.budget_w
     good = 0
+    hot_good = 0
     hot_ttft: list[float] = []
+    windows_n = int(np.ceil(a.duration_s / a.hot_period_s))
+    by_window = np.zeros((windows_n, a.members, 2), int)  # [window, member] = (good, sent)
     for i, rs in enumerate(results):
         for r in rs:
-            if r.ok and r.ttft_s is not None and r.ttft_s <= a.ttft_slo_s:
-                tpot = r.tpot_s
-                if tpot is None or tpot <= a.tpot_slo_s:
-                    good += 1
             hot = hot_member(r.t_start_s, a) == i
+            w = min(int(r.t_start_s // a.hot_period_s), windows_n - 1)
+            by_window[w, i, 1] += 1
+            if within_slo(r, a):
+                good += 1
+                hot_good += hot
+                by_window[w, i, 0] += 1
             if hot and r.priority == "high" and r.ok and r.ttft_s is not None:
                 hot_ttft.append(r.ttft_s)
     windows = reallocation_windows(rows, a) if arm != "static" else []
@@ -300,6 +322,9 @@ def summarize(
         "reallocation_seconds": int(during.sum()),
         "seconds_over_budget_during_reallocation": int((over & during).sum()),
         "goodput_rps": good / a.duration_s,
+        "hot_goodput_rps": hot_good / a.duration_s,
+        "cold_goodput_rps": (good - hot_good) / a.duration_s,
+        "good_and_sent_by_window_and_member": by_window.tolist(),
         "hot_high_ttft_p95_s": float(np.percentile(hot_ttft, 95)) if hot_ttft else None,
         "requests": sum(len(r) for r in results),
         "events": events,
@@ -461,7 +486,8 @@ def plot(res: dict[str, Any], a: argparse.Namespace, path: Path) -> None:
 
 
 def _brief(run: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in run.items() if k not in ("total_w", "member_w", "status_rows")}
+    bulky = ("total_w", "member_w", "status_rows", "good_and_sent_by_window_and_member")
+    return {k: v for k, v in run.items() if k not in bulky}
 
 
 async def _bench(a: argparse.Namespace) -> int:

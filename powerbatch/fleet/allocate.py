@@ -1,7 +1,7 @@
 """Water-filling: shares that equalise the marginal value of a watt across members.
 
-Each member i reports `value_per_w` v_i (its goodput per watt at its operating point, weighted by
-the priority of its demand) and `want_w` W_i (the power that would serve all its demand). Its
+Each member i reports `value_per_w` v_i (the goodput its first watt buys, weighted by the priority
+of its demand; signals.py) and `want_w` W_i (the power that would serve all its demand). Its
 goodput is modelled as concave and saturating at W_i, with marginal value
 
     m_i(w) = v_i * (1 - w / W_i)   for w < W_i,  0 beyond,
@@ -13,6 +13,12 @@ m_i(w_i) = lambda for every member strictly inside its bounds, m_i >= lambda at 
 m_i <= lambda at lo_i. Then w_i(lambda) = clip(W_i * (1 - lambda / v_i), lo_i, hi_i), which is
 non-increasing in lambda, so lambda is found by bisection. Watts nobody can use (every member
 at its want) are spread evenly as headroom: a share is a ceiling, not a draw.
+
+A share that moves costs the member: a lower share reads as a breach to its control loop (the
+last second's power was drawn under the higher one), which cuts its batch. So the leader holds
+a member's grant where the new target is within a dead band of it (`hold_small_moves`): the
+bids of a light load drift from second to second, and following them lost more goodput than
+the watts they moved could buy.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from dataclasses import dataclass
 class Bid:
     """What the allocator knows of one member."""
 
-    value_per_w: float  # v_i: weighted goodput per watt at the operating point, >= 0
+    value_per_w: float  # v_i: weighted goodput per watt at a share of 0, >= 0
     want_w: float  # W_i: the power its demand would draw
     min_w: float
     max_w: float
@@ -83,3 +89,16 @@ def _spread(shares: dict[str, float], bids: Mapping[str, Bid], budget_w: float) 
             if shares[k] >= bids[k].max_w - 1e-9:
                 open_.remove(k)
     return shares
+
+
+def hold_small_moves(
+    targets: Mapping[str, float], grants: Mapping[str, float], band_w: float
+) -> dict[str, float]:
+    """The targets, except that a member whose target is within `band_w` of its grant keeps
+    its grant. Safe whatever it keeps: raises are paid only from unheld watts (scripts.py)."""
+    out = dict(targets)
+    for k, w in targets.items():
+        g = grants.get(k)
+        if g is not None and abs(w - g) < band_w:
+            out[k] = g
+    return out

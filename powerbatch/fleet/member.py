@@ -29,10 +29,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.exceptions import RedisError
 
 from powerbatch.fleet import scripts
-from powerbatch.fleet.allocate import Bid, water_fill
+from powerbatch.fleet.allocate import Bid, hold_small_moves, water_fill
 from powerbatch.fleet.settings import FleetSettings
 
 log = logging.getLogger("powerbatch.fleet")
+
+DEAD_BAND_FRAC = 0.1  # the leader moves no share by less than this share of the safe share
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +44,7 @@ class MemberSignals:
     power_w: float | None = None
     in_flight: int = 0
     queued_by_class: dict[str, int] = field(default_factory=dict)
-    value_per_w: float = 0.0  # d(goodput)/d(watts), tokens/s per W, unweighted
+    value_per_w: float = 0.0  # d(goodput)/d(watts), requests per W, unweighted
     want_w: float = 0.0  # the power serving all its demand would draw
     floor_w: float = 0.0  # the least it can hold while it serves at all (0: any share)
 
@@ -113,6 +115,7 @@ class FleetMember:
         self.reallocations = 0
         self.redis_error: str | None = None
         self.committed_w: float | None = None
+        self.bid: dict[str, float] = {}  # what its last renewal published: the allocator's view
 
     # -- the ceiling --------------------------------------------------------------------------
 
@@ -176,6 +179,7 @@ class FleetMember:
                 "members_seen": self.members_seen,
                 "reallocations": self.reallocations,
                 "redis_error": self.redis_error,
+                "bid": dict(self.bid),
             }
         }
 
@@ -308,6 +312,7 @@ class FleetMember:
         ]
         for k, v in fields.items():
             args += [k, v]
+        self.bid = {k: float(v) for k, v in fields.items() if isinstance(v, int | float)}
         try:
             reply = await self.client.eval(scripts.RENEW, 1, self.prefix, *args)
         except BaseException:
@@ -369,12 +374,15 @@ class FleetMember:
             rows = await pipe.execute()
         budget = self.settings.fleet_budget_w
         bids: dict[str, Bid] = {}
+        grants: dict[str, float] = {}
         for i, h in zip(ids, rows, strict=True):
             if not h:
                 continue
             if h.get("lost") == "1":
                 budget -= _f(h.get("safe_w"))  # reserved while it may be on it
                 continue
+            if h.get("grant") not in (None, ""):
+                grants[i] = _f(h.get("grant"))
             bids[i] = Bid(
                 value_per_w=_f(h.get("value_per_w")),
                 want_w=_f(h.get("want_w")),
@@ -382,6 +390,7 @@ class FleetMember:
                 max_w=_f(h.get("max_w"), budget),
             )
         targets = water_fill(bids, max(budget, 0.0))
+        targets = hold_small_moves(targets, grants, DEAD_BAND_FRAC * self.safe_w)
         args: list[Any] = [self.id, int(self.ttl_s * 1000), self.settings.fleet_budget_w]
         for i, w in targets.items():
             args += [i, round(w, 3)]

@@ -1,14 +1,24 @@
-"""A member's bid from its own control loop: the marginal value of a watt and its demand's power.
+"""A member's bid from its own control loop: how much power its demand needs, and how much
+goodput that power buys.
 
-Estimate (docs/fleet.md): at the loop's operating point (the last tick's 1-s features, batch b),
-the power model gives the watts one more request in flight costs,
-dP/db ~ P(shape * (b + 1)) - P(shape * b), and the loop measures each request's decode rate,
-r = decode tok/s / b. A watt more buys about 1 / (dP/db) more requests, so
+Goodput is requests served within their SLO per second. The allocator (allocate.py) models a
+member's goodput as concave in its share w, saturating at its want W:
+g(w) = v (w - w² / 2W) for w < W, so g(W) = v W / 2. The bid sets g(W) to the member's demand D,
+the requests in flight plus those queued (by Little's law the arrival rate times the time in
+the system, so a backlog that grows because watts are short raises it):
 
-    value_per_w = r / (dP/db)      tokens/s per W,
+    value_per_w = 2 D / W      requests per W (the member weights it by the class of its demand)
 
-and `want_w` = P(shape * (in flight + queued)): what serving all the demand would draw. With
-no demand there is nothing to buy: value 0, want the idle power.
+D rises at once and falls with a time constant `DEMAND_TAU_S`: a snapshot of a light load
+swings between 0 and a few requests, and a share that followed it would swing as well.
+
+`want_w` W is what serving all of D would draw: the power model at the last per-request shape
+scaled to D. While a device limit holds the member (its meter at `PINNED_FRAC` of the limit or
+more) and it has work, the meter shows the cap and not the demand, and a model taught near the
+cap under-reads it too: the demand draws more than the limit, by an amount that cannot be
+measured. W is then the most the device accepts (its highest limit), so the bid does not
+depend on the share the member already has (a want tied to the current share would move every
+time the share did). With no demand there is nothing to buy: value 0, want the model's idle.
 
 Without a device power limit, admission holds a ceiling only by the batch, and the batch's
 smallest step is one request: `floor_w` = P(shape * min_batch) is the least such a member can
@@ -18,13 +28,15 @@ caps the power at any share, and the floor is left to `fleet_min_share_w`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from powerbatch.control.loop import ControlLoop
 from powerbatch.estimate import Features
 from powerbatch.fleet.member import MemberSignals
 
-MIN_SLOPE_W = 0.5  # W per request: a floor so a flat early model does not promise the moon
+PINNED_FRAC = 0.95  # measured power at this share of the device limit or more: held by it
+DEMAND_TAU_S = 5.0  # how slowly the demand in the bid falls
 
 
 class LoopSignals:
@@ -36,6 +48,7 @@ class LoopSignals:
         self.loop = loop
         self.queued_by_class = queued_by_class
         self._shape: Features | None = None  # the last per-request shape seen under load
+        self._demand: tuple[float, float] | None = None  # (t_s, demand as bid)
 
     def __call__(self) -> MemberSignals:
         loop = self.loop
@@ -43,26 +56,22 @@ class LoopSignals:
         if rec is None:
             return MemberSignals()
         by_class = self.queued_by_class() if self.queued_by_class else {"normal": rec.queued}
-        demand = rec.in_flight + rec.queued
+        demand = self._smoothed(rec.t_s, float(rec.in_flight + rec.queued))
         f = rec.features
         if f.batch >= 1:
             self._shape = f.per_request()
-        value, want, floor = 0.0, 0.0, 0.0
+        want, floor = 0.0, 0.0
         model = loop.controller.model
         shape = self._shape
         if shape is not None:
             want = model.predict_one(shape.scaled(float(demand)))[0]
             if loop.actuator is None:
                 floor = model.predict_one(shape.scaled(float(loop.controller.config.min_batch)))[0]
-            if demand > 0 and f.batch >= 1:
-                b = f.batch
-                slope = (
-                    model.predict_one(shape.scaled(b + 1))[0]
-                    - model.predict_one(shape.scaled(b))[0]
-                )
-                value = (f.decode_tok_s / b) / max(slope, MIN_SLOPE_W)
-            elif demand > 0:  # queued but nothing running (held at the minimum): worth a lot
-                value = shape.decode_tok_s / MIN_SLOPE_W
+        limit_w, power_w = rec.power_limit_w or 0.0, rec.power_w or 0.0
+        bounds = loop.actuator.bounds_w() if loop.actuator is not None else None
+        if demand > 0 and limit_w > 0 and power_w >= PINNED_FRAC * limit_w and bounds:
+            want = max(want, bounds[1])  # held by the limit: it would draw more than it may
+        value = 2.0 * demand / want if demand > 0 and want > 0 else 0.0
         return MemberSignals(
             power_w=rec.power_w,
             in_flight=rec.in_flight,
@@ -71,3 +80,12 @@ class LoopSignals:
             want_w=max(want, 0.0),
             floor_w=max(floor, 0.0),
         )
+
+    def _smoothed(self, t_s: float, demand: float) -> float:
+        """The demand as bid: a rise at once, a fall with time constant `DEMAND_TAU_S`."""
+        if self._demand is not None:
+            t0, prev = self._demand
+            keep = math.exp(-max(t_s - t0, 0.0) / DEMAND_TAU_S)
+            demand = max(demand, prev * keep + demand * (1.0 - keep))
+        self._demand = (t_s, demand)
+        return demand

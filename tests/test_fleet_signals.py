@@ -1,0 +1,124 @@
+"""A member's bid from its control loop: want and value, and what water-filling makes of them."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from powerbatch.control.loop import TickRecord
+from powerbatch.estimate import Features
+from powerbatch.fleet import Bid, water_fill
+from powerbatch.fleet.signals import DEMAND_TAU_S, LoopSignals
+
+DECODE_TOK_S_PER_REQUEST = 60.0
+DEVICE_MAX_W = 700.0
+
+
+class Actuator:
+    """The device limit's range, as `LimitActuator.bounds_w` gives it."""
+
+    def bounds_w(self) -> tuple[float, float]:
+        return 200.0, DEVICE_MAX_W
+
+
+class LinearModel:
+    """P(batch) = base + slope × batch: a stand-in for the learned power model."""
+
+    def __init__(self, base_w: float, slope_w: float) -> None:
+        self.base_w, self.slope_w = base_w, slope_w
+
+    def predict_one(self, point: Features) -> tuple[float, float]:
+        p = self.base_w + self.slope_w * point.batch
+        return p, p + 10.0
+
+
+def loop(
+    *,
+    t_s: float = 10.0,
+    in_flight: int,
+    queued: int,
+    power_w: float,
+    limit_w: float | None,
+    model: LinearModel,
+) -> Any:
+    batch = float(in_flight)
+    rec = TickRecord(
+        t_s=t_s, power_w=power_w, raw_w=power_w, energy_j=None, predicted_w=power_w,
+        predicted_upper_w=power_w, target_w=power_w, limit_requests=in_flight,
+        limit_kv_tokens=10**6, prefill_tok_s=None, enforced_requests=in_flight,
+        in_flight=in_flight, kv_in_flight=0.0, queued=queued, binding="power", state="enforce",
+        features=Features(batch, 800.0 * batch, 0.0, DECODE_TOK_S_PER_REQUEST * batch),
+        power_limit_w=limit_w,
+    )  # fmt: skip
+    controller = SimpleNamespace(model=model, config=SimpleNamespace(min_batch=1))
+    return SimpleNamespace(history=[rec], controller=controller, actuator=Actuator())
+
+
+def test_a_member_held_at_its_limit_with_work_wants_what_the_device_allows() -> None:
+    """Held at the cap, the meter reads the cap: a model taught there says the demand draws
+    about what the member already has, which would keep a hot member at its share for good."""
+    taught_at_cap = LinearModel(base_w=540.0, slope_w=1.0)  # says 50 requests draw 590 W
+    sig = LoopSignals(
+        loop(in_flight=40, queued=10, power_w=596.0, limit_w=594.0, model=taught_at_cap)
+    )()
+    assert sig.want_w == pytest.approx(DEVICE_MAX_W)
+    free = LoopSignals(
+        loop(in_flight=40, queued=10, power_w=500.0, limit_w=594.0, model=taught_at_cap)
+    )()
+    assert free.want_w == pytest.approx(590.0)  # under its limit the meter is the demand's
+
+
+def test_value_is_demand_per_watt_of_want_so_a_backlog_outbids_a_trickle() -> None:
+    """Tokens per watt of the model's slope made a cold member with a flat curve outbid the hot
+    one; requests per watt of want put the watts where the requests are."""
+    model = LinearModel(base_w=300.0, slope_w=2.0)
+    hot = LoopSignals(loop(in_flight=40, queued=10, power_w=500.0, limit_w=None, model=model))()
+    cold = LoopSignals(loop(in_flight=3, queued=0, power_w=306.0, limit_w=None, model=model))()
+    assert hot.value_per_w == pytest.approx(2 * 50 / 400.0)
+    assert cold.value_per_w == pytest.approx(2 * 3 / 306.0)
+    assert hot.value_per_w > 5 * cold.value_per_w
+    idle = LoopSignals(loop(in_flight=0, queued=0, power_w=80.0, limit_w=None, model=model))()
+    assert idle.value_per_w == 0.0
+
+
+def test_the_held_hot_member_gets_near_its_maximum_and_the_cold_ones_split_the_rest() -> None:
+    """Four members, 1800 W, shares 200-700 W: the hot one, held at 600 W with 50 requests, and
+    three cold ones held at 400 W with 3 each, their models taught near their caps."""
+    hot_model, cold_model = LinearModel(540.0, 1.0), LinearModel(380.0, 1.0)
+    hot = LoopSignals(
+        loop(in_flight=40, queued=10, power_w=596.0, limit_w=594.0, model=hot_model)
+    )()
+    cold = LoopSignals(
+        loop(in_flight=3, queued=0, power_w=395.0, limit_w=396.0, model=cold_model)
+    )()
+    hot_w, cold_w = 3.1, 1.07  # the member's class weights: 70 % / 10 % high class
+    bids = {"hot": Bid(hot.value_per_w * hot_w, hot.want_w, 200.0, 700.0)}
+    for k in ("c1", "c2", "c3"):
+        bids[k] = Bid(cold.value_per_w * cold_w, cold.want_w, 200.0, 700.0)
+    shares = water_fill(bids, 1800.0)
+    assert shares["hot"] > 690.0
+    assert shares["c1"] == pytest.approx(shares["c3"])
+    assert sum(shares.values()) == pytest.approx(1800.0)
+
+
+def test_the_demand_bid_rises_at_once_and_falls_slowly() -> None:
+    """A light load's snapshot swings between none and a few requests; the bid must not."""
+    model = LinearModel(base_w=300.0, slope_w=2.0)
+    sig = LoopSignals(
+        loop(t_s=10.0, in_flight=6, queued=0, power_w=320.0, limit_w=None, model=model)
+    )
+    first = sig()
+    sig.loop.history[-1] = loop(
+        t_s=11.0, in_flight=0, queued=0, power_w=80.0, limit_w=None, model=model
+    ).history[-1]
+    later = sig()
+    kept = 6 * math.exp(-1.0 / DEMAND_TAU_S)
+    assert later.value_per_w == pytest.approx(2 * kept / (300.0 + 2.0 * kept))
+    assert 0 < later.value_per_w < first.value_per_w
+    sig.loop.history[-1] = loop(
+        t_s=12.0, in_flight=20, queued=0, power_w=400.0, limit_w=None, model=model
+    ).history[-1]
+    assert sig().value_per_w == pytest.approx(2 * 20 / 340.0)
