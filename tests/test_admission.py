@@ -168,6 +168,26 @@ def test_prefill_pace_spreads_admissions() -> None:
     run_virtual(main())
 
 
+def test_the_most_urgent_class_does_not_wait_for_the_pace() -> None:
+    async def main() -> None:
+        # As above, 1000 prompt tokens a second. A high-class prompt is granted at once although
+        # the bucket is empty, and is charged to it: the normal one behind it waits for both.
+        loop = asyncio.get_running_loop()
+        q = AdmissionQueue(
+            Limits(100, 10**9, prefill_tok_s=1_000.0), prefill_burst_s=0.1, clock=loop.time
+        )
+        t0 = loop.time()
+        first = await q.admit("normal", 100, 100)  # into an empty upstream: bucket at -100
+        high = await q.admit("high", 100, 100)  # bucket at -200
+        assert round(loop.time() - t0, 2) == 0.0
+        normal = await q.admit("normal", 100, 100)  # waits until the bucket holds 100
+        assert round(loop.time() - t0, 2) == 0.3
+        for s in (first, high, normal):
+            s.release()
+
+    run_virtual(main())
+
+
 def test_valley_fill_keeps_a_reserve_from_deferrable_work() -> None:
     async def main() -> None:
         q = AdmissionQueue(Limits(10, 10**9), valley_fill=True, fill_reserve_frac=0.2)

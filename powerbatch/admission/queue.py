@@ -229,9 +229,11 @@ class AdmissionQueue:
         if lim.prefill_tok_s is not None:
             self._refill(now)
             # A prompt waits until the bucket holds it (or is full, for one larger than a
-            # whole burst): borrowing ahead would let one long prompt spike the second.
+            # whole burst): borrowing ahead would let one long prompt spike the second. The
+            # most urgent class does not wait for the pace; its prompts are still charged to
+            # the bucket, so the classes below it wait for those watts instead.
             need = min(prefill_tokens, lim.prefill_tok_s * self.prefill_burst_s)
-            if self._bucket < need and self.in_flight:
+            if self._bucket < need and self.in_flight and priority != PRIORITIES[0]:
                 return False
         return True
 

@@ -312,8 +312,10 @@ class Controller:
         does not see (a request replacing one that finished keeps the batch the same size).
         So the pace is the fastest rate whose modelled watts over the prefill flowing now,
         added to the 1-second meter, fit under the target: the meter for the level, the model
-        for the slope, as in the batch law. Near the target the pace is about the prompt flow
-        now; over it, slower. It never exceeds `pace_max` x the batch's steady prompt flow (a
+        for the slope, as in the batch law. The watts are the model's upper bound at r less its
+        upper bound now, so a rate the model has seen little of (its bound widens away from
+        the data) is priced higher than its mean. Near the target the pace is about the prompt
+        flow now; over it, slower. It never exceeds `pace_max` x the batch's steady prompt flow (a
         burst let through at once is a burst of watts the model has not seen) and never falls
         under `min_prefill_tok_s` (a trickle still feeds the batch; the batch law, not a
         stalled queue, answers a plant whose decode fills the target). Not counted: the decode
@@ -326,8 +328,8 @@ class Controller:
         floor = cfg.min_prefill_tok_s
         top = max(self._shape.prefill_tok_s * batch * cfg.gains.pace_max, floor)
         rates = np.geomspace(floor, top, 16)
-        mean_w = self.model.predict([now.with_prefill(float(r)) for r in rates] + [now]).mean_w
-        ok = rates[power_w + mean_w[:-1] - mean_w[-1] <= target_w]
+        upper_w = self.model.predict([now.with_prefill(float(r)) for r in rates] + [now]).upper_w
+        ok = rates[power_w + upper_w[:-1] - upper_w[-1] <= target_w]
         return float(ok.max()) if len(ok) else floor
 
     def _as_enforced(

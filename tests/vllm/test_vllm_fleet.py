@@ -29,8 +29,10 @@ from powerbatch.fleet.member import FleetMember, MemberSignals
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-BUDGET_W = 1200.0
-OTHER_WANT_W = 660.0  # the other member's demand while it is hot: vLLM keeps the rest
+BUDGET_W = 1260.0
+# The other member's demand while it is hot: vLLM keeps the rest, 70 W under its safe share of
+# 630 W, a cut larger than the leader's dead band (a tenth of the safe share).
+OTHER_WANT_W = 700.0
 VLLM_MIN_W, VLLM_MAX_W = 200.0, 700.0
 TTL_S = 3.0
 PHASE_S = 45.0
