@@ -1,7 +1,8 @@
 """The asyncio admission queue: who goes upstream next, and who is told to come back later.
 
 A request is dispatched only while both in-flight limits hold (requests and KV tokens) and the
-prefill pace allows its prompt. Classes are served in strict priority, FIFO within a class. The
+prefill pace allows its prompt (the most urgent class is charged to the pace but does not wait
+for it). Classes are served in strict priority, FIFO within a class. The
 queue is bounded in length and in wait; a full queue sheds its lowest-priority newest waiter
 before it refuses a higher-priority arrival. Every granted `Slot` is released exactly once.
 """

@@ -80,7 +80,7 @@ class PlanRunner:
         if d is None or d.power_w is None or d.state not in ("enforce", "observe"):
             return None
         t0, then = hist[0]
-        if t_s - t0 < MIN_RATE_S:
+        if t_s - t0 < MIN_RATE_S - 1e-6:  # five 0.2-s ticks may sum to a hair under 1 s
             return None
         dt = t_s - t0
         rate = {c: (n - then.arrived.get(c, 0)) / dt for c, n in now.arrived.items()}
