@@ -51,7 +51,7 @@ from scipy.stats import t as student_t
 from powerbatch.control.config import ControlConfig
 from powerbatch.control.latency import LatencySnapshot
 from powerbatch.estimate import Features, PowerModel, PowerPrior
-from powerbatch.estimate.features import design_ray
+from powerbatch.estimate.features import design_prefill_sweep, design_ray
 from powerbatch.shape.settings import ShapeSettings
 
 CONSTRAINTS: tuple[str, ...] = ("power", "latency", "kv")
@@ -220,7 +220,10 @@ class Controller:
             i = round(min(max(n, cfg.min_batch), cfg.max_batch)) - cfg.min_batch
             return float(mean_w[i])
 
-        noise_w = self._noise_w()
+        # One fresh reading's spread: what separates a mean from a second over the ceiling.
+        # The meter's own recent spread is the better measure where it is smaller than the
+        # model's residuals (which also hold model misfit); the model's covers a quiet meter.
+        noise_w = min(self.model.noise_quantile_w(), self._meter_spread_w())
         here_w = mean_at(anchor_batch)
 
         def anchored_upper(n: int) -> float:
@@ -242,14 +245,6 @@ class Controller:
         # step under a long queue); one, not as many as fit, since the anchor is one reading.
         probe = next((n for n in (current + step, current + 1) if anchored_upper(n) <= room_w), 0)
         return max(n_grow, probe, current)
-
-    def _noise_w(self) -> float:
-        """One fresh reading's spread: what separates a mean from a second over the ceiling.
-
-        The meter's own recent spread is the better measure where it is smaller than the
-        model's residuals (which also hold model misfit); the model's covers a quiet meter.
-        """
-        return min(self.model.noise_quantile_w(), self._meter_spread_w())
 
     def _meter_spread_w(self) -> float:
         """The upper quantile of recent 1-second power around its mean (`meter_window_s`)."""
@@ -328,7 +323,8 @@ class Controller:
         floor = cfg.min_prefill_tok_s
         top = max(self._shape.prefill_tok_s * batch * cfg.gains.pace_max, floor)
         rates = np.geomspace(floor, top, 16)
-        upper_w = self.model.predict([now.with_prefill(float(r)) for r in rates] + [now]).upper_w
+        rates_now = np.append(rates, now.prefill_tok_s)
+        upper_w = self.model.predict_design(design_prefill_sweep(now, rates_now)).upper_w
         ok = rates[power_w + upper_w[:-1] - upper_w[-1] <= target_w]
         return float(ok.max()) if len(ok) else floor
 

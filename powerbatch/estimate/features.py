@@ -84,3 +84,11 @@ def design_ray(shape: Features, batches: NDArray[np.float64]) -> NDArray[np.floa
             shape.decode_tok_s * n / _DECODE_SCALE,
         ]
     )
+
+
+def design_prefill_sweep(f: Features, prefill_tok_s: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Rows for `f.with_prefill(r)` at every r in `prefill_tok_s`, in one vectorised step."""
+    rates = np.asarray(prefill_tok_s, float)
+    rows = np.tile(design_row(f), (len(rates), 1))
+    rows[:, REGRESSORS.index("prefill_tok_s")] = rates / _PREFILL_SCALE
+    return rows
