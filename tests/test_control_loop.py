@@ -18,14 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 from conftest import FuncPowerSource, run
 from faults import running_proxy, upstream
 
 from powerbatch.admission import AdmissionQueue
 from powerbatch.cli.replay import replay, summarize
-from powerbatch.control import ControlConfig, Controller, Decision, Limits
+from powerbatch.control import ControlConfig, Controller, Decision, Limits, Observation
+from powerbatch.control.loop import FeatureWindow, ReadingClock
 from powerbatch.errors import SensorReadError
+from powerbatch.estimate import Features
 from powerbatch.proxy import Governor, ProxyMetrics, ProxySettings, create_app
 from powerbatch.settings import load
 from powerbatch.telemetry import PowerMonitor, PowerSample
@@ -457,3 +460,57 @@ def test_replay_command_prints_the_summary(tmp_path: Path) -> None:
 
 def test_summary_is_none_without_power() -> None:
     assert summarize([], 500.0) is None
+
+
+# -- a meter that lags the ticks -------------------------------------------------------------
+
+
+def _learned_slope_w(aligned: bool) -> float:
+    """Watts per request the controller's model learns from an exporter that collects the
+    1-second mean once a second while the batch moves every 0.6 s (true slope: 10 W)."""
+    rng = np.random.default_rng(3)
+    ctl = Controller(ControlConfig(ceiling_w=2000.0, warmup_s=0.0))
+    window, clock = FeatureWindow(1.0), ReadingClock(every_tick=False)
+    batches = rng.integers(2, 40, size=200)
+    tick_s, sub = 0.2, 20  # the plant integrates its power over 10-ms slices
+
+    def batch_at(t: float) -> int:
+        return int(batches[int(t / 0.6)])
+
+    held_w, prefill = 0.0, 0.0
+    for i in range(int(100 / tick_s)):
+        t = i * tick_s
+        if i % 5 == 0 and i:  # the exporter's collection: the mean over the second before
+            slices = np.arange(t - 1.0, t, 1.0 / sub / 5)
+            held_w = float(np.mean([100.0 + 10.0 * batch_at(s) for s in slices]))
+        n = batch_at(t)
+        prefill += 100.0 * n * tick_s
+        f = window.update(t, n, 500.0 * n, prefill, 30.0 * n * t)
+        weight, measured = clock.update(held_w, None, f)
+        if i < 5:
+            continue
+        ctl.tick(
+            Observation(
+                t_s=t,
+                power_w=held_w,
+                sensor_ok=True,
+                features=f,
+                in_flight=n,
+                queued=0,
+                reading_features=measured if aligned else None,
+                reading_weight=weight if aligned else 1.0,
+            )
+        )
+    lo, hi = Features(5.0, 2500.0, 500.0, 150.0), Features(35.0, 17500.0, 3500.0, 1050.0)
+    mean_w = ctl.model.predict([lo, hi]).mean_w
+    return float(mean_w[1] - mean_w[0]) / 30.0
+
+
+def test_a_held_reading_is_learned_once_against_the_load_it_measured() -> None:
+    # An exporter serves one collection for a whole second. Learned again on every tick,
+    # against the load of later ticks, it pairs the watts of one second with the load of
+    # another, and the slope shrinks towards zero: the model prices growth too cheap.
+    slope_w = _learned_slope_w(aligned=True)
+    naive_w = _learned_slope_w(aligned=False)
+    assert 8.0 <= slope_w <= 11.5, (slope_w, naive_w)  # 5 ticks a second sample the load
+    assert naive_w < 0.8 * slope_w, (slope_w, naive_w)

@@ -32,3 +32,30 @@ def test_binding_share_counts_the_proxys_ticks() -> None:
     run = RunData("powerbatch", 600.0, PROFILES["bursty"](), 0.0, 1.0, [], {}, history)
     assert binding_share(run) == {"kv": 0.25, "none": 0.25, "power": 0.5}
     assert binding_share(RunData("hwcap", 600.0, PROFILES["bursty"](), 0.0, 1.0, [], {})) == {}
+
+
+def test_a_second_is_forced_over_only_where_its_prefill_alone_breaches() -> None:
+    from powerbatch.cli.report import forced_above_seconds
+
+    # Decode at 1,700-1,800 W (the lowest busy step 1,700 W), a 2,000 W ceiling. Second 0: a
+    # 0.5-s prefill at 2,600 W (0.5 x 2,600 + 0.5 x 1,700 = 2,150 W: forced). Second 1: a
+    # 0.2-s prefill (0.2 x 2,600 + 0.8 x 1,700 = 1,880 W: avoidable, whatever the second read).
+    # Second 2: a 0.5-s prefill straddling into second 3, half in each: neither is forced.
+    steps = [  # (start, length, power, prefill tokens, running)
+        (0.0, 0.5, 2600.0, 5000, 3),
+        (0.5, 0.5, 1800.0, 0, 3),
+        (1.0, 0.2, 2600.0, 2000, 3),
+        (1.2, 0.8, 1700.0, 0, 1),
+        (2.0, 0.75, 1750.0, 0, 2),
+        (2.75, 0.5, 2600.0, 5000, 2),
+        (3.25, 0.75, 1750.0, 0, 2),
+    ]
+    trace = {
+        "t_s": [s[0] for s in steps],
+        "step_s": [s[1] for s in steps],
+        "power_w": [s[2] for s in steps],
+        "prefill_tokens": [s[3] for s in steps],
+        "running": [s[4] for s in steps],
+    }
+    forced = forced_above_seconds(trace, 0.0, 4.0, 2000.0)
+    assert forced.tolist() == [True, False, False, False]

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import json
 import math
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -231,6 +232,45 @@ def test_metrics_names_and_values() -> None:
     assert energy_mj / 1000 == pytest.approx(energy_j, rel=0.05)
     total_avg_w = sum(s.value for s in power)
     assert 4 * 78.0 <= total_avg_w <= 2800.0
+
+
+def _dcgm(text: str) -> tuple[float, float, float]:
+    """The 1-s mean, the instant power and the energy, summed over the GPUs."""
+    sums = dict.fromkeys(
+        (
+            "DCGM_FI_DEV_POWER_USAGE",
+            "DCGM_FI_DEV_POWER_USAGE_INSTANT",
+            "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+        ),
+        0.0,
+    )
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in sums:
+                sums[sample.name] += sample.value
+    mean_w, instant_w, energy_mj = sums.values()
+    return mean_w, instant_w, energy_mj
+
+
+@pytest.mark.parametrize("interval_s", [0.0, 0.4])
+def test_dcgm_fields_are_held_for_the_exporters_collect_interval(interval_s: float) -> None:
+    # dcgm-exporter serves its last collection between collections; vLLM's metrics are live.
+    async def body(server: SimServer) -> tuple[list[tuple[float, float, float]], float]:
+        scrapes = []
+        t0 = time.monotonic()
+        async with aiohttp.ClientSession() as s:
+            for _ in range(12):
+                async with s.get(server.url + "/metrics") as r:
+                    scrapes.append(_dcgm(await r.text()))
+                await asyncio.sleep(0.05)
+        return scrapes, time.monotonic() - t0
+
+    values, elapsed_s = with_server(body, app_kwargs={"dcgm_interval_s": interval_s})
+    changes = sum(a != b for a, b in itertools.pairwise(values))
+    if interval_s == 0:
+        assert changes == len(values) - 1  # the energy counter moves at every scrape
+    else:  # a change per collection the scrapes spanned, and no more
+        assert 1 <= changes <= math.ceil(elapsed_s / interval_s), (changes, elapsed_s)
 
 
 def test_power_limit_admin_endpoint() -> None:

@@ -50,6 +50,13 @@ def add_common(p: argparse.ArgumentParser, duration_s: float) -> None:
         default=4,
         help="tokens per SSE event from the simulator (CPU budget)",
     )
+    p.add_argument(
+        "--dcgm-interval-s",
+        type=float,
+        default=1.0,
+        help="the simulated dcgm-exporter's collect interval; the proxy reads its 1-s mean "
+        "(0: the instant power at every poll)",
+    )
     p.add_argument("--ttft-slo-s", type=float, default=2.0)
     p.add_argument("--tpot-slo-s", type=float, default=0.1)
     p.add_argument("--valley-fill", action=argparse.BooleanOptionalAction, default=False)
@@ -144,6 +151,7 @@ async def run_arm(
         proxy_args=proxy_args(a) + extra,
         with_proxy=arm in PROXIED,
         limiter=arm == "powerbatch",
+        dcgm_interval_s=a.dcgm_interval_s,
     ) as stack:
         t0 = time.monotonic()
         load = asyncio.create_task(run_load(stack.entry_url, plan))
@@ -206,6 +214,7 @@ def table(results: dict[str, dict[str, Any]], console: Console, title: str) -> N
         t.add_row(label, *cells)
 
     row("time above ceiling, %", "frac_above_ceiling", ".2f", 100)
+    row("  of it forced by one second's prefill, %", "forced_above_frac", ".2f", 100)
     row("largest overshoot, W", "max_overshoot_w")
     row("sd of 1-s power in bursts, W", "power_std_high_w")
     row("sd of 1-s power, whole run, W", "power_std_w")

@@ -31,6 +31,13 @@ def _sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--dcgm-interval-s",
+        type=float,
+        default=0.0,
+        help="hold the dcgm-exporter fields this long, as an exporter's --collect-interval does "
+        "(0: current at every scrape)",
+    )
+    p.add_argument(
         "--zeusd-token",
         default=None,
         help="require this bearer token on the simulated zeusd API's /gpu/* routes",
@@ -55,6 +62,7 @@ def _run_sim(a: argparse.Namespace) -> None:
             power_limit_w=a.power_limit_w,
             seed=a.seed,
             zeusd_token=a.zeusd_token,
+            dcgm_interval_s=a.dcgm_interval_s,
         )
     )
 

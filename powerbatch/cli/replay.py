@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from powerbatch.control import ControlConfig, Controller, Decision, Observation
+from powerbatch.control.loop import ReadingClock
 from powerbatch.estimate import Features
 from powerbatch.telemetry.trace import TraceRow, read_trace
 
@@ -35,6 +36,8 @@ def replay(rows: Iterator[TraceRow], config: ControlConfig) -> Iterator[tuple[Tr
     """Feed each row to a fresh controller, as if measured live; the queue is taken as empty
     unless the trace says otherwise. Rows without power (recorded failed closed) are skipped."""
     controller = Controller(config)
+    # A held reading repeats its raw watts and energy.
+    clock = ReadingClock(every_tick=False, max_weight=config.tick_hz)
     for row in rows:
         if row.power_w is None:
             continue
@@ -44,6 +47,7 @@ def replay(rows: Iterator[TraceRow], config: ControlConfig) -> Iterator[tuple[Tr
             prefill_tok_s=row.prefill_tok_s or 0.0,
             decode_tok_s=row.decode_tok_s or 0.0,
         )
+        weight, measured = clock.update(row.raw_w, row.energy_j, features)
         obs = Observation(
             t_s=row.t_s,
             power_w=row.power_w,
@@ -51,6 +55,8 @@ def replay(rows: Iterator[TraceRow], config: ControlConfig) -> Iterator[tuple[Tr
             features=features,
             in_flight=int(row.requests_in_flight or 0),
             queued=int(row.queue_len or 0),
+            reading_features=measured,
+            reading_weight=weight,
         )
         yield row, controller.tick(obs)
 

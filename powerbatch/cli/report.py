@@ -3,6 +3,7 @@ the client's side, and the figures the comparison reports. Plots go to PNG with 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,33 @@ def power_1s(
     edges = t0_s + np.arange(0, int(t1_s - t0_s) + 1, 1.0)
     e = np.interp(edges, t_end, energy)
     return edges[:-1] - t0_s + 0.5, np.diff(e) / np.diff(edges)
+
+
+def forced_above_seconds(
+    trace: dict[str, list[float]], t0_s: float, t1_s: float, ceiling_w: float
+) -> NDArray[np.bool_]:
+    """The seconds over the ceiling that no admission could have held under it: the steps in
+    that second that ran prefill, with the rest of the second at the lowest power of any busy
+    step of the run, are over the ceiling already. Admission can delay a prompt but not split
+    it; on a plant whose prefill draws far more than its decode, a long prompt alone can put a
+    second over. Read from the simulator's steps, not from any formula of its."""
+    t = np.asarray(trace["t_s"], float)
+    step_s = np.asarray(trace["step_s"], float)
+    power_w = np.asarray(trace["power_w"], float)
+    busy = np.asarray(trace["running"], float) > 0
+    n = int(t1_s - t0_s)
+    if n <= 0 or not busy.any():
+        return np.zeros(max(n, 0), bool)
+    floor_w = float(power_w[busy].min())
+    energy_j, time_s = np.zeros(n), np.zeros(n)
+    for i in np.nonzero(np.asarray(trace["prefill_tokens"], float) > 0)[0]:
+        a, b = t[i] - t0_s, t[i] + step_s[i] - t0_s
+        for k in range(max(int(a), 0), min(math.ceil(b), n)):
+            overlap = min(b, k + 1) - max(a, k)
+            if overlap > 0:
+                energy_j[k] += power_w[i] * overlap
+                time_s[k] += overlap
+    return energy_j + (1.0 - np.minimum(time_s, 1.0)) * floor_w > ceiling_w + ABOVE_TOLERANCE_W
 
 
 def power_bound_seconds(run: RunData, n_seconds: int) -> NDArray[np.bool_]:
@@ -123,6 +151,7 @@ def summarize(run: RunData, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, A
         }
     statuses = [r.status for r in run.results]
     bound = power_bound_seconds(run, len(p1))
+    forced = forced_above_seconds(run.trace, run.t0_s, run.t0_s + len(p1), run.ceiling_w)
     return {
         "arm": run.arm,
         "ceiling_w": run.ceiling_w,
@@ -131,6 +160,7 @@ def summarize(run: RunData, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, A
         "frac_above_ceiling": float(np.mean(p1 > run.ceiling_w + ABOVE_TOLERANCE_W))
         if len(p1)
         else None,
+        "forced_above_frac": float(forced.mean()) if len(forced) else None,
         "max_overshoot_w": float(max(0.0, (p1 - run.ceiling_w).max())) if len(p1) else None,
         "power_std_w": float(np.std(p1)) if len(p1) else None,
         "power_std_high_w": float(np.std(p1[high])) if high.any() else None,

@@ -25,12 +25,21 @@ class Stack:
         proxy_args: list[str] | None = None,
         with_proxy: bool = True,
         limiter: bool = False,
+        dcgm_interval_s: float = 0.0,
     ) -> None:
+        """`dcgm_interval_s` > 0: the simulator's exporter collects once a period, and the proxy
+        reads its 1-second mean, as an operator's dcgm-exporter is read; 0: the proxy reads the
+        instant power at every poll."""
         self.sim_port = free_port()
         self.proxy_port = free_port()
         self.sim_url = f"http://127.0.0.1:{self.sim_port}"
         self.proxy_url = f"http://127.0.0.1:{self.proxy_port}"
-        self.sim = Child("sim", ["sim", "--port", str(self.sim_port), *(sim_args or [])], log_dir)
+        sim_cmd = ["sim", "--port", str(self.sim_port), *(sim_args or [])]
+        sim_cmd += ["--dcgm-interval-s", str(dcgm_interval_s)]
+        self.sim = Child("sim", sim_cmd, log_dir)
+        metric = "DCGM_FI_DEV_POWER_USAGE"  # the exporter's 1-s mean, as operators read it
+        if dcgm_interval_s <= 0:
+            metric += "_INSTANT"
         self.proxy: Child | None = None
         if with_proxy:
             args = [
@@ -44,7 +53,7 @@ class Stack:
                 "--dcgm-url",
                 self.sim_url + "/metrics",
                 "--dcgm-metric",
-                "DCGM_FI_DEV_POWER_USAGE_INSTANT",
+                metric,
                 *(proxy_args or []),
             ]
             if limiter:  # the device power limit through the simulator's zeusd API

@@ -51,7 +51,7 @@ from scipy.stats import t as student_t
 from powerbatch.control.config import ControlConfig
 from powerbatch.control.latency import LatencySnapshot
 from powerbatch.estimate import Features, PowerModel, PowerPrior
-from powerbatch.estimate.features import design_prefill_sweep, design_ray
+from powerbatch.estimate.features import design_prefill_sweep, design_ray, design_row
 from powerbatch.shape.settings import ShapeSettings
 
 CONSTRAINTS: tuple[str, ...] = ("power", "latency", "kv")
@@ -98,6 +98,13 @@ class Observation:
     power_limit_w: float | None = None  # device limit in force; None: no limiter, or degraded
     queued_deferrable: int = 0  # low-class requests waiting (they can fill a floor)
     plan_w: float | None = None  # the shape planner's power for this second; None: no plan
+    # The features over the window `power_w` measured, where the meter lags the ticks (an
+    # exporter that collects once a second); None: `features`. `reading_weight`: the samples
+    # the reading stands for when learned (see loop.ReadingClock); 0 for a held value already
+    # learned, which learned again against newer features would pair the watts of one second
+    # with the load of another.
+    reading_features: Features | None = None
+    reading_weight: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,23 +306,26 @@ class Controller:
         return int(min(self.config.max_kv_tokens, max(by_shape, self._shape.kv_tokens)))
 
     def _prefill_pace(
-        self, now: Features, power_w: float, batch: int, target_w: float
+        self, seen: Features, power_w: float, batch: int, running: float, target_w: float
     ) -> float | None:
         """Prompt tokens per second the watts allow, on top of the batch's decode.
 
         Prefill is compute-bound: a burst of prompts is a burst of watts that the batch limit
         does not see (a request replacing one that finished keeps the batch the same size).
-        So the pace is the fastest rate whose modelled watts over the prefill flowing now,
-        added to the 1-second meter, fit under the target: the meter for the level, the model
-        for the slope, as in the batch law. The watts are the model's upper bound at r less its
-        upper bound now, so a rate the model has seen little of (its bound widens away from
-        the data) is priced higher than its mean. Near the target the pace is about the prompt
-        flow now; over it, slower. It never exceeds `pace_max` x the batch's steady prompt flow (a
-        burst let through at once is a burst of watts the model has not seen) and never falls
-        under `min_prefill_tok_s` (a trickle still feeds the batch; the batch law, not a
-        stalled queue, answers a plant whose decode fills the target). Not counted: the decode
-        of the requests the pace admits (the batch law holds that), nor one reading's spread
-        (the batch law adds it; added here too, it starved the batch of prompts).
+        So the pace is the fastest rate whose modelled watts, over those of the load the meter
+        measured (`seen`), added to the 1-second meter, fit under the target: the meter for
+        the level, the model for the slope, as in the batch law. The load the pace is priced
+        at is the batch about to run (`running` requests, at most the limit), so watts the
+        batch law has granted since the reading are not granted again to prompts: a meter a
+        second behind would otherwise see the room twice at the start of a burst. The watts
+        are the model's upper bound at r less its upper bound at `seen`, so a rate the model
+        has seen little of (its bound widens away from the data) is priced higher than its
+        mean. Near the target the pace is about the prompt flow now; over it, slower. It never
+        exceeds `pace_max` x the batch's steady prompt flow (a burst let through at once is a
+        burst of watts the model has not seen) and never falls under `min_prefill_tok_s` (a
+        trickle still feeds the batch; the batch law, not a stalled queue, answers a plant
+        whose decode fills the target). Not counted: one reading's spread (the batch law adds
+        it; added here too, it starved the batch of prompts).
         """
         cfg = self.config
         if not cfg.prefill_pacing:
@@ -323,8 +333,9 @@ class Controller:
         floor = cfg.min_prefill_tok_s
         top = max(self._shape.prefill_tok_s * batch * cfg.gains.pace_max, floor)
         rates = np.geomspace(floor, top, 16)
-        rates_now = np.append(rates, now.prefill_tok_s)
-        upper_w = self.model.predict_design(design_prefill_sweep(now, rates_now)).upper_w
+        ahead = seen.per_request().scaled(max(min(float(batch), running), seen.batch, 1.0))
+        rows = np.vstack([design_prefill_sweep(ahead, rates), design_row(seen)])
+        upper_w = self.model.predict_design(rows).upper_w
         ok = rates[power_w + upper_w[:-1] - upper_w[-1] <= target_w]
         return float(ok.max()) if len(ok) else floor
 
@@ -340,14 +351,15 @@ class Controller:
         plus the model's difference between the proposed batch and the one in flight.
         """
         assert obs.power_w is not None
-        if self.config.mode != "observe" or obs.features.batch <= current:
-            return obs.power_w, obs.features.batch, obs.in_flight, obs.queued
+        seen = obs.reading_features or obs.features
+        if self.config.mode != "observe" or seen.batch <= current:
+            return obs.power_w, seen.batch, obs.in_flight, obs.queued
         lo = self.config.min_batch
 
         def mean_at(n: float) -> float:
             return float(mean_w[round(min(max(n, lo), self.config.max_batch)) - lo])
 
-        power_w = obs.power_w + mean_at(current) - mean_at(obs.features.batch)
+        power_w = obs.power_w + mean_at(current) - mean_at(seen.batch)
         in_flight = min(obs.in_flight, current)
         return power_w, float(current), in_flight, obs.queued + obs.in_flight - in_flight
 
@@ -464,8 +476,12 @@ class Controller:
         # Pinned at the limit, the meter shows the cap, not what the batch would draw: such a
         # reading is censored and would teach the model a flat curve, so it is not learned.
         censored = capped and limit_w is not None and obs.power_w >= 0.98 * limit_w
-        if not censored:
-            self.model.observe(obs.t_s, obs.features, obs.power_w)
+        # The meter's reading belongs to the load it measured: anchoring and learning on that
+        # load, not on the load of this tick, is a Smith predictor for the meter's dead time.
+        seen = obs.reading_features or obs.features
+        fresh = obs.reading_weight > 0
+        if not censored and fresh:
+            self.model.observe(obs.t_s, seen, obs.power_w, obs.reading_weight)
         self._recent_power.append((obs.t_s, obs.power_w))
         while self._recent_power[0][0] < obs.t_s - g.meter_window_s:
             self._recent_power.popleft()
@@ -476,10 +492,12 @@ class Controller:
 
         lo = cfg.min_batch
         model_here_w = float(pred.mean_w[round(min(max(anchor, lo), cfg.max_batch)) - lo])
-        if not censored:
+        if not censored and fresh:
             # What the meter says the model misses at the batch in flight: its level may be
-            # off (a load mix it has not seen) while its slope is still right.
-            self._bias_w += 0.2 * (power_w - model_here_w - self._bias_w)
+            # off (a load mix it has not seen) while its slope is still right. An EWMA of 0.2
+            # a tick, a reading weighing k ticks moving it as k ticks would.
+            rate = 1.0 - 0.8**obs.reading_weight
+            self._bias_w += rate * (power_w - model_here_w - self._bias_w)
         if capped and limit_w is not None:
             # The meter reads the cap, so judge the batch by its uncapped demand: the model at
             # the batch in flight, corrected by its bias from the last uncensored readings.
@@ -567,7 +585,11 @@ class Controller:
             reserve = min(cfg.max_batch - self._batch, math.ceil(g.reserve_frac * self._batch))
         # Under a device limit a burst of prompts is clipped by the driver within milliseconds;
         # pacing it as well would only delay first tokens.
-        pace = None if capped else self._prefill_pace(obs.features, power_w, self._batch, target_w)
+        pace = (
+            None
+            if capped
+            else self._prefill_pace(seen, power_w, self._batch, in_flight + queued, target_w)
+        )
         limits = Limits(self._batch, kv_limit, pace, reserve)
         return self._decide(
             obs,

@@ -183,6 +183,38 @@ class FeatureWindow:
         )
 
 
+class ReadingClock:
+    """Which load a power reading measured, and how much it weighs when learned.
+
+    A source the monitor averages is read afresh every tick, over the same second as the
+    features: each tick's reading weighs one. An exporter that collects once a second
+    (dcgm-exporter's `--collect-interval`) serves one value for a whole period: it is new on
+    the tick that first sees it, it measured the second before that tick, whatever the ticks
+    after it see, and it weighs the ticks since the last new value (at most a window's worth:
+    it is a mean over one window, however long it is then held). A held value weighs 0.
+    """
+
+    def __init__(self, every_tick: bool, max_weight: float = 5.0) -> None:
+        self.every_tick = every_tick
+        self.max_weight = max_weight
+        self._key: tuple[float | None, float | None] | None = None
+        self._features: Features | None = None
+        self._ticks = 0
+
+    def update(
+        self, raw_w: float | None, energy_j: float | None, features: Features
+    ) -> tuple[float, Features]:
+        """(weight, the features the reading measured) for this tick's reading and features.
+        Without a raw value (an old trace) every reading is new."""
+        self._ticks += 1
+        key = (raw_w, energy_j)
+        if self.every_tick or raw_w is None or key != self._key or self._features is None:
+            weight = 1.0 if self.every_tick else float(min(self._ticks, self.max_weight))
+            self._key, self._features, self._ticks = key, features, 0
+            return weight, features
+        return 0.0, self._features
+
+
 def _limits(x: Limits | None) -> dict[str, Any] | None:
     if x is None:
         return None
@@ -255,6 +287,8 @@ class ControlLoop:
         self.trace = trace
         self.clock = clock
         self._window = FeatureWindow(window_s)
+        tick_hz = controller.config.tick_hz
+        self._reading_clock = ReadingClock(not source_averages, max(1.0, window_s * tick_hz))
         self._task: asyncio.Task[None] | None = None
         self._sample: HostSample | None = None
         self._latency: LatencySnapshot | None = None
@@ -377,6 +411,7 @@ class ControlLoop:
         )
         latency = self.features.latency(t_s)
         plan_w = self.plan.plan_w(t_s) if self.plan is not None else None
+        weight, measured = self._reading_clock.update(reading.raw_w, reading.energy_j, features)
         obs = Observation(
             t_s=t_s,
             power_w=self.power_w(reading),
@@ -391,6 +426,8 @@ class ControlLoop:
             power_limit_w=self._limit_in_force_w(),
             queued_deferrable=host.queued_deferrable,
             plan_w=plan_w,
+            reading_features=measured,
+            reading_weight=weight,
         )
         d = self.controller.tick(obs)
         self.shape.observe(d, plan_w, host.queued_deferrable)

@@ -118,6 +118,7 @@ class PowerModel:
         self._t = np.zeros(window)
         self._x = np.zeros((window, k))
         self._y = np.zeros(window)
+        self._w = np.zeros(window)  # each sample's own weight (the ticks of load it covers)
         self._n = 0
         self._next = 0
         self._t_last = 0.0
@@ -154,16 +155,20 @@ class PowerModel:
     def n_samples(self) -> int:
         return self._n
 
-    def observe(self, t_s: float, features: Features, power_w: float) -> None:
-        if not math.isfinite(power_w):
+    def observe(self, t_s: float, features: Features, power_w: float, weight: float = 1.0) -> None:
+        """Learn one reading. `weight`: how many samples it stands for. A 1-second mean read
+        every tick comes as one sample a tick; a meter that collects once a second comes as
+        one reading a second, which weighs the ticks it stood for, so that both weigh the same
+        against the prior and against the past."""
+        if not math.isfinite(power_w) or not weight > 0:
             return
         row = design_row(features)
         if not np.isfinite(row).all():
             return  # one NaN would poison every fit until it left the window
         i, window = self._next, len(self._y)
         evicted = self._n == window
-        x_old, y_old, t_old = self._x[i].copy(), self._y[i], self._t[i]
-        self._t[i], self._x[i], self._y[i] = t_s, row, power_w
+        x_old, y_old, t_old, w_old = self._x[i].copy(), self._y[i], self._t[i], self._w[i]
+        self._t[i], self._x[i], self._y[i], self._w[i] = t_s, row, power_w, weight
         self._next = (i + 1) % window
         had = self._n
         self._n = min(self._n + 1, window)
@@ -178,14 +183,15 @@ class PowerModel:
         self._xtwx *= decay
         self._xtwy *= decay
         if evicted:
-            w_old = math.exp2(-(t_s - t_old) / self.half_life_s)
+            w_old *= math.exp2(-(t_s - t_old) / self.half_life_s)
             self._xtwx -= w_old * np.outer(x_old, x_old)
             self._xtwy -= (w_old * y_old) * x_old
-        self._xtwx += np.outer(row, row)
-        self._xtwy += power_w * row
+        self._xtwx += weight * np.outer(row, row)
+        self._xtwy += (weight * power_w) * row
 
     def _weights(self) -> NDArray[np.float64]:
-        return np.exp2(-(self._t_last - self._t[: self._n]) / self.half_life_s)
+        n = self._n
+        return self._w[:n] * np.exp2(-(self._t_last - self._t[:n]) / self.half_life_s)
 
     def _rebuild(self) -> None:
         """X'WX and X'Wy from the window afresh (einsum: element loops, no BLAS threads)."""
@@ -227,7 +233,9 @@ class PowerModel:
             # MAD, weights meaning recency): a start-up ramp or a load step leaves a few huge
             # residuals that say nothing about the steady noise the bound is for.
             resid = np.abs(resid)
-            n_eff = w.sum() ** 2 / (w**2).sum()
+            # Kish's effective size, a reading counting as the samples it weighs.
+            m = self._w[:n]
+            n_eff = w.sum() ** 2 / (w * w / m).sum()
             df = n_eff - rank - 1
             if df >= 3:
                 order = np.argsort(resid)

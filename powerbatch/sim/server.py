@@ -513,12 +513,25 @@ class _Handlers:
 
 
 class _SimCollector(Collector):
-    """Reads the engine at scrape time, so a scrape is always current and costs nothing between."""
+    """Reads the engine at scrape time, so a scrape costs nothing between.
 
-    def __init__(self, engine: SimEngine, model_name: str, hostname: str) -> None:
+    vLLM's metrics are current at each scrape. dcgm-exporter's are not: it collects its fields
+    every `--collect-interval` (NVIDIA/dcgm-exporter; operators set 1 s, the default is 30 s)
+    and serves the last collection in between. `dcgm_interval_s` > 0 does the same here: the
+    GPU fields are collected on a fixed grid of that period and held, so a reader sees a value
+    up to one period old that changes once a period. 0 collects at every scrape.
+    """
+
+    def __init__(
+        self, engine: SimEngine, model_name: str, hostname: str, dcgm_interval_s: float = 0.0
+    ) -> None:
+        if dcgm_interval_s < 0 or not math.isfinite(dcgm_interval_s):
+            raise ValueError(f"dcgm_interval_s must be >= 0, got {dcgm_interval_s}")
         self.engine = engine
         self.model_name = model_name
         self.hostname = hostname
+        self.dcgm_interval_s = dcgm_interval_s
+        self._collected: tuple[int, list[Metric]] | None = None
 
     def collect(self) -> Iterable[Metric]:
         e = self.engine
@@ -541,6 +554,19 @@ class _SimCollector(Collector):
             c.add_metric(value, float(v))
             yield c
 
+        yield from self._gpu_fields()
+
+    def _gpu_fields(self) -> list[Metric]:
+        period = self.dcgm_interval_s
+        if period <= 0:
+            return self._collect_gpu_fields()
+        slot = math.floor(time.monotonic() / period)
+        if self._collected is None or self._collected[0] != slot:
+            self._collected = (slot, self._collect_gpu_fields())
+        return self._collected[1]
+
+    def _collect_gpu_fields(self) -> list[Metric]:
+        e = self.engine
         profile = e.profile
         n = profile.num_gpus
         gpu_labels = ["gpu", "UUID", "modelName", "Hostname"]
@@ -566,10 +592,7 @@ class _SimCollector(Collector):
             power.add_metric(lab, avg_w)
             power_instant.add_metric(lab, instant[i])
             energy.add_metric(lab, energy_mj)
-        yield power
-        yield power_instant
-        yield energy
-        yield _power_limit_metric(e, gpu_labels, per_gpu)
+        return [power, power_instant, energy, _power_limit_metric(e, gpu_labels, per_gpu)]
 
 
 def _power_limit_metric(
@@ -596,10 +619,12 @@ def create_sim_app(
     hostname: str = "powerbatch-sim",
     zeusd_token: str | None = None,
     zeusd_apply_delay_s: float = DEFAULT_APPLY_DELAY_S,
+    dcgm_interval_s: float = 0.0,
 ) -> web.Application:
     """The app starts the engine on start-up and stops it on clean-up.
 
     It also serves zeusd's GPU API (powerbatch.sim.zeusd_api), behind `zeusd_token` if given.
+    `dcgm_interval_s` > 0 holds the dcgm-exporter fields for that period, as an exporter does.
     """
     if stream_interval_tokens < 1:
         raise ValueError("stream_interval_tokens must be >= 1")
@@ -607,7 +632,7 @@ def create_sim_app(
         raise ValueError("max_model_len must be >= 2")
     h = _Handlers(engine, model_name, stream_interval_tokens, max_model_len)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SimCollector(engine, model_name, hostname))
+    registry.register(_SimCollector(engine, model_name, hostname, dcgm_interval_s))
 
     async def metrics(request: web.Request) -> web.StreamResponse:
         body = generate_latest(registry)
@@ -678,6 +703,7 @@ async def run_sim_server(
     stream_interval_tokens: int = 1,
     max_model_len: int = 8192,
     zeusd_token: str | None = None,
+    dcgm_interval_s: float = 0.0,
     **engine_kwargs: Any,
 ) -> None:
     """Build an engine from `engine_kwargs` (see SimEngine) and serve until cancelled."""
@@ -690,6 +716,7 @@ async def run_sim_server(
         stream_interval_tokens=stream_interval_tokens,
         max_model_len=max_model_len,
         zeusd_token=zeusd_token,
+        dcgm_interval_s=dcgm_interval_s,
     )
     # The operator's (and a script's) sign that the port is open; with port 0, the port chosen.
     _log.info("powerbatch sim listening on %s (model %s)", server.url, model_name)
