@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 
@@ -276,3 +277,14 @@ def test_the_prefill_pace_leaves_room_for_the_batch() -> None:
     assert pace is not None
     room_tok_s = (d.target_w - plant(batch, 0.0)) / per_tok_w
     assert 0.6 * room_tok_s <= pace <= 1.1 * room_tok_s, (pace, room_tok_s, d.target_w)
+
+    # A meter a second behind: it measured 10 requests, 30 run now. The pace is priced at the
+    # 30 running, or the 20 the batch law let in since the reading get their watts twice.
+    seen = Features(10, 900.0 * 10, prefill, 30.0 * 10)
+    late = copy.deepcopy(ctl).tick(
+        Observation(90.2, plant(10, prefill), True, feats, batch, 50, reading_features=seen)
+    )
+    pace = late.enforced.prefill_tok_s
+    assert pace is not None and late.enforced.max_requests >= batch
+    room_tok_s = (late.target_w - plant(batch, 0.0)) / per_tok_w
+    assert 0.6 * room_tok_s <= pace <= 1.1 * room_tok_s, (pace, room_tok_s, late.target_w)
