@@ -21,6 +21,7 @@ from powerbatch.proxy import Governor, ProxyMetrics, create_app
 from powerbatch.proxy.app import create_admin_app
 from powerbatch.shape.runner import plan_runner, queue_counts
 from powerbatch.telemetry import (
+    HampelFilter,
     NvmlPowerLimiter,
     NvmlPowerSource,
     PowerMonitor,
@@ -177,16 +178,17 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
         valley_fill=a.valley_fill,
         prefill_burst_s=a.prefill_burst_s,
     )
+    averaged = s.power.averages(kind)
     monitor = PowerMonitor(
         make_power_source(s, kind),
         interval_s=s.power.power_interval_s,
         stale_after_s=s.power.stale_after_s,
         max_plausible_w=s.power.plausible_w(cfg.ceiling_w),
+        hampel=None if averaged else HampelFilter(),
     )
     scraper = None
     if s.proxy.upstream_metrics:
         scraper = UpstreamMetricsScraper(s.proxy.metrics_url)
-    averaged = kind == "dcgm" and "INSTANT" not in s.power.dcgm_metric.upper()
     member = join(s.fleet, s.proxy.port)  # None without --fleet-budget
     gov = Governor(
         controller,

@@ -315,9 +315,10 @@ class Controller:
         So the pace is the fastest rate whose modelled watts, over those of the load the meter
         measured (`seen`), added to the 1-second meter, fit under the target: the meter for
         the level, the model for the slope, as in the batch law. The load the pace is priced
-        at is the batch about to run (`running` requests, at most the limit), so watts the
-        batch law has granted since the reading are not granted again to prompts: a meter a
-        second behind would otherwise see the room twice at the start of a burst. The watts
+        at is the batch running now (`running` requests, at most the limit), so the watts of
+        requests admitted since the reading are not granted again to prompts: a meter a
+        second behind would otherwise see the room twice at the start of a burst. Requests
+        still queued are not counted: the pace is what admits them. The watts
         are the model's upper bound at r less its upper bound at `seen`, so a rate the model
         has seen little of (its bound widens away from the data) is priced higher than its
         mean. Near the target the pace is about the prompt flow now; over it, slower. It never
@@ -588,7 +589,7 @@ class Controller:
         pace = (
             None
             if capped
-            else self._prefill_pace(seen, power_w, self._batch, in_flight + queued, target_w)
+            else self._prefill_pace(seen, power_w, self._batch, in_flight, target_w)
         )
         limits = Limits(self._batch, kv_limit, pace, reserve)
         return self._decide(

@@ -65,6 +65,14 @@ class PowerSettings:
                 f"gpus must be integers for NVML, got {','.join(self.gpus)}"
             ) from None
 
+    def averages(self, kind: str) -> bool:
+        """Whether source `kind` (resolved, not auto) reports a 1-second mean itself:
+        dcgm-exporter's DCGM_FI_DEV_POWER_USAGE does, its INSTANT field does not. Such a
+        reading is used as it is (averaging it again lags it a second behind the load) and is
+        not despiked: its spikes are real seconds of load, and a value held between an
+        exporter's collections would make a median filter hold back every new one."""
+        return kind == "dcgm" and "INSTANT" not in self.dcgm_metric.upper()
+
     def plausible_w(self, ceiling_w: float) -> float:
         return self.max_plausible_w if self.max_plausible_w is not None else 3.0 * ceiling_w
 

@@ -25,6 +25,7 @@ from powerbatch.errors import ConfigError
 from powerbatch.fleet import attach, join
 from powerbatch.shape.runner import plan_runner
 from powerbatch.telemetry import (
+    HampelFilter,
     NvmlPowerSource,
     PowerMonitor,
     PowerSource,
@@ -229,11 +230,13 @@ class ControlThread:
         )
         self.controller = Controller(self.control, shape=cfg.shape)
         self.source = source or make_power_source(cfg, self.kind, caps, stats)
+        averaged = cfg.power.averages(self.kind)
         self.monitor = PowerMonitor(
             self.source,
             interval_s=cfg.power.power_interval_s,
             stale_after_s=cfg.power.stale_after_s,
             max_plausible_w=cfg.power.plausible_w(cfg.control.ceiling_w),
+            hampel=None if averaged else HampelFilter(),
         )
         self.metrics = m = PluginMetrics()
         m.engine_configured.labels("active_requests").set(caps.max_active_reqs)
@@ -241,8 +244,6 @@ class ControlThread:
         m.engine_configured.labels("kv_blocks").set(caps.num_kv_blocks)
         self.sink = EngineSink(cfg, self.control, caps, stats, m)
         self.features = EngineFeatures(stats, caps, m, self.sink)
-        # dcgm-exporter's DCGM_FI_DEV_POWER_USAGE is a 1-second mean; its INSTANT field is not.
-        averaged = self.kind == "dcgm" and "INSTANT" not in cfg.power.dcgm_metric.upper()
         # A fleet member's Redis task runs on this thread's loop, started by the first tick.
         member = join(cfg.fleet, cfg.engine.metrics_port + dp_rank)
         self.energy = _energy_accounting(self, model_name)
