@@ -21,6 +21,10 @@ rises while it is violated and decays while it is slack. Concretely:
   demand: such censored readings are not learned, the batch is judged by the model's uncapped
   demand against `limit × (1 + throttle_allowance)`, and λ_power rises only on a breach of the
   ceiling itself. A limiter that fails (degraded) hands the ceiling back to admission alone.
+* the meter's dead time: a reading may describe the load of a second ago (an exporter that
+  collects once a second). The batch and prefill laws anchor on the load it measured
+  (`Observation.reading_features`) and the model learns each reading once, against that load:
+  a Smith predictor, so growth granted since the reading is counted, not seen as room.
 * the ceiling itself may move each tick (`Observation.ceiling_w`: a fleet budget's share).
 * shape (`ShapeSettings`, off unless set): the grid wants slow ramps and a floor. Growth is
   capped where the model's predicted increment over the batch of the last second reaches
