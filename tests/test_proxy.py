@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 import openai
+import pytest
 from aiohttp import web
 from conftest import FuncPowerSource, run, serve
 from helpers import async_wait_until
@@ -303,3 +304,39 @@ def test_governor_limits_what_reaches_the_upstream() -> None:
             await sim.close()
 
     run(main())
+
+
+@pytest.mark.parametrize("metric", ["DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_POWER_USAGE_INSTANT"])
+def test_a_step_in_an_exporters_one_second_mean_is_not_held_back(metric: str) -> None:
+    """dcgm-exporter serves one collection until the next. A median filter over polls of a
+    held value sees no spread, so it would call every new 1-second mean an outlier and hold
+    it back for half its window: the mean is used as read. Instant readings are despiked."""
+    watts = {"now": 500.0}
+
+    async def metrics(request: web.Request) -> web.Response:
+        text = f'# TYPE {metric} gauge\n{metric}{{gpu="0"}} {watts["now"]}\n'
+        return web.Response(text=text)
+
+    async def main() -> list[float | None]:
+        stub = web.Application()
+        stub.router.add_get("/metrics", metrics)
+        stub_runner, stub_url = await serve(stub)
+        _, gov = build(options(stub_url, dcgm_metric=metric, upstream_metrics=False))
+        monitor = gov.loop.monitor
+        seen: list[float | None] = []
+        try:
+            await monitor.start()
+            await asyncio.sleep(1.2)  # a full window of polls of the held value
+            watts["now"] = 600.0
+            await asyncio.sleep(0.15)  # one or two polls of the new collection
+            seen.append(monitor.snapshot().filtered_w)
+        finally:
+            await monitor.stop()
+            await stub_runner.cleanup()
+        return seen
+
+    (after_step_w,) = run(main())
+    if metric.endswith("INSTANT"):
+        assert after_step_w == 500.0  # a lone jump in instant readings is despiked
+    else:
+        assert after_step_w == 600.0
