@@ -20,15 +20,19 @@ from statsmodels.tools.sm_exceptions import SingularMatrixWarning
 from powerbatch.estimate import Features, PowerModel, PowerPrior
 from powerbatch.estimate.features import REGRESSORS, design_matrix, design_ray
 
+Row = tuple[float, Features, float, float]  # time, features, watts, the sample's weight
+
 
 def _reference(
-    model: PowerModel, rows: list[tuple[float, Features, float]], x_new: np.ndarray
+    model: PowerModel, rows: list[Row], x_new: np.ndarray
 ) -> dict[str, np.ndarray | float]:
-    """The statsmodels WLS fit and bound that PowerModel computed before it went incremental."""
+    """The statsmodels WLS fit and bound that PowerModel computed before it went incremental;
+    a sample's weight multiplies its recency weight, and counts as that many samples."""
     t = np.array([r[0] for r in rows])
     xs = design_matrix([r[1] for r in rows])
     ys = np.array([r[2] for r in rows])
-    w = np.exp2(-(t[-1] - t) / model.half_life_s) if rows else np.empty(0)
+    m = np.array([r[3] for r in rows])
+    w = m * np.exp2(-(t[-1] - t) / model.half_life_s) if rows else np.empty(0)
     x = np.vstack([model._prior_x, xs])
     y = np.concatenate([model._prior_y, ys])
     weights = np.concatenate([model._prior_w, w])
@@ -37,7 +41,7 @@ def _reference(
         result = sm.WLS(y, x, weights=weights).fit()
     noise_var, noise_df = float(result.scale), float(result.df_resid)
     resid = np.abs(ys - np.asarray(result.predict(xs))) if rows else ys
-    n_eff = w.sum() ** 2 / (w**2).sum() if rows else 0.0
+    n_eff = w.sum() ** 2 / (w * w / m).sum() if rows else 0.0
     df = n_eff - result.df_model - 1
     if rows and df >= 3:
         order = np.argsort(resid)
@@ -60,7 +64,7 @@ def _reference(
     }
 
 
-def _check(model: PowerModel, rows: deque[tuple[float, Features, float]], x: np.ndarray) -> None:
+def _check(model: PowerModel, rows: deque[Row], x: np.ndarray) -> None:
     ref = _reference(model, list(rows), x)
     pred = model.predict_design(x)
     params = np.array([model.coefficients()[name] for name in REGRESSORS])
@@ -71,13 +75,16 @@ def _check(model: PowerModel, rows: deque[tuple[float, Features, float]], x: np.
     assert model.noise_quantile_w() == pytest.approx(ref["noise_q"], rel=1e-7)
 
 
-@pytest.mark.parametrize("half_life_s", [20.0, 1e6])
-def test_incremental_fit_matches_statsmodels_wls_on_the_window(half_life_s: float) -> None:
-    """Through the window's filling, evictions, rebuilds, a load step and a clock stall."""
+@pytest.mark.parametrize(("half_life_s", "weighted"), [(20.0, False), (1e6, False), (20.0, True)])
+def test_incremental_fit_matches_statsmodels_wls_on_the_window(
+    half_life_s: float, weighted: bool
+) -> None:
+    """Through the window's filling, evictions, rebuilds, a load step and a clock stall; with
+    `weighted`, readings that each stand for 1-5 ticks (an exporter's held collections)."""
     rng = np.random.default_rng(11)
     window = 240
     model = PowerModel(PowerPrior.from_ceiling(600.0, 256), window=window, half_life_s=half_life_s)
-    rows: deque[tuple[float, Features, float]] = deque(maxlen=window)
+    rows: deque[Row] = deque(maxlen=window)
     x = design_ray(Features(1.0, 900.0, 150.0, 35.0), np.arange(1, 257, dtype=float))
     _check(model, rows, x)  # the prior alone
     t = 0.0
@@ -87,8 +94,9 @@ def test_incremental_fit_matches_statsmodels_wls_on_the_window(half_life_s: floa
         pf = float(rng.uniform(0, 8_000))
         f = Features(n, 900.0 * n * rng.uniform(0.8, 1.2), pf, 35.0 * n)
         power = 150 + 3 * n + 0.015 * pf + (80.0 if i > 600 else 0.0) + rng.normal(0, 10)
-        model.observe(t, f, power)
-        rows.append((t, f, power))
+        weight = float(rng.integers(1, 6)) if weighted else 1.0
+        model.observe(t, f, power, weight)
+        rows.append((t, f, power, weight))
         if i in (0, 2, 30, 239, 240, 241, 400, 479, 480, 601, 650, 999):
             _check(model, rows, x)
 
@@ -99,13 +107,13 @@ def test_rank_deficient_design_matches_statsmodels() -> None:
     rng = np.random.default_rng(2)
     prior = PowerPrior(idle_w=70.0, max_w=700.0, max_batch=256, slope_weight=0.0)
     model = PowerModel(prior, window=100, half_life_s=30.0)
-    rows: deque[tuple[float, Features, float]] = deque(maxlen=100)
+    rows: deque[Row] = deque(maxlen=100)
     for i in range(150):
         n = float(rng.integers(1, 100))
         f = Features(n, 1_000.0 * n, 0.0, 30.0 * n)
         power = 100 + 2 * n + rng.normal(0, 5)
         model.observe(i * 0.2, f, power)
-        rows.append((i * 0.2, f, power))
+        rows.append((i * 0.2, f, power, 1.0))
     x = design_ray(Features(1.0, 1_000.0, 0.0, 30.0), np.arange(1, 101, dtype=float))
     ref = _reference(model, list(rows), x)
     pred = model.predict_design(x)
