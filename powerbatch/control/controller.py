@@ -591,9 +591,7 @@ class Controller:
         # Under a device limit a burst of prompts is clipped by the driver within milliseconds;
         # pacing it as well would only delay first tokens.
         pace = (
-            None
-            if capped
-            else self._prefill_pace(seen, power_w, self._batch, in_flight, target_w)
+            None if capped else self._prefill_pace(seen, power_w, self._batch, in_flight, target_w)
         )
         limits = Limits(self._batch, kv_limit, pace, reserve)
         return self._decide(
