@@ -110,6 +110,11 @@ class Observation:
     reading_features: Features | None = None
     reading_weight: float = 1.0
 
+    @property
+    def seen(self) -> Features:
+        """The load the power reading measured."""
+        return self.reading_features or self.features
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
@@ -356,7 +361,7 @@ class Controller:
         plus the model's difference between the proposed batch and the one in flight.
         """
         assert obs.power_w is not None
-        seen = obs.reading_features or obs.features
+        seen = obs.seen
         if self.config.mode != "observe" or seen.batch <= current:
             return obs.power_w, seen.batch, obs.in_flight, obs.queued
         lo = self.config.min_batch
@@ -483,7 +488,7 @@ class Controller:
         censored = capped and limit_w is not None and obs.power_w >= 0.98 * limit_w
         # The meter's reading belongs to the load it measured: anchoring and learning on that
         # load, not on the load of this tick, is a Smith predictor for the meter's dead time.
-        seen = obs.reading_features or obs.features
+        seen = obs.seen
         fresh = obs.reading_weight > 0
         if not censored and fresh:
             self.model.observe(obs.t_s, seen, obs.power_w, obs.reading_weight)
