@@ -26,13 +26,14 @@ from powerbatch_vllm.compat import UnsupportedVllmVersion, check_vllm_version, p
 from powerbatch_vllm.config import PLUGIN, PluginConfig, load_config, reference_markdown
 from powerbatch_vllm.control import ControlThread
 from powerbatch_vllm.engine import EngineCaps, EngineLimits, StepStats, engine_limits
-from powerbatch_vllm.metrics import dcgm_text
+from powerbatch_vllm.metrics import ModelMeter
 from powerbatch_vllm.plugin import _in_use
 
 from powerbatch.control import Limits
 from powerbatch.errors import ConfigError
 from powerbatch.settings import load
 from powerbatch.shape.runner import PlanRunner
+from powerbatch.telemetry.monitor import PowerReading
 
 
 def plugin_config(**flat: Any) -> PluginConfig:
@@ -329,9 +330,36 @@ def test_status_endpoint_serves_metrics_and_modelled_power() -> None:
         server.stop()
 
 
-def test_dcgm_text_is_empty_without_a_reading() -> None:
-    assert dcgm_text(None, "0", "m") == ""
-    assert 'gpu="0"' in dcgm_text(512.0, "0", "m")
+def _reading(t_s: float, raw_w: float) -> PowerReading:
+    return PowerReading(
+        t_s=t_s,
+        raw_w=raw_w,
+        filtered_w=raw_w,
+        smoothed_w=raw_w,
+        energy_j=None,
+        ok=True,
+        stale=False,
+        error=None,
+        consecutive_errors=0,
+        age_s=0.0,
+    )
+
+
+def test_the_modelled_power_is_exported_as_a_gpus_one_second_mean() -> None:
+    """A reader takes DCGM_FI_DEV_POWER_USAGE as a 1-s mean and does not despike it, so a
+    prefill window's watts must reach it averaged, and only the INSTANT field may spike."""
+    meter = ModelMeter()
+    assert meter.text("0", "m") == ""
+    for i, w in enumerate([400.0, 400.0, 400.0, 400.0, 700.0]):  # 0.2-s windows, one prefill
+        meter(_reading(10.0 + 0.2 * i, w))
+    fields = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in meter.text("0", "m").splitlines()
+        if not line.startswith("#")
+    }
+    assert fields == {"DCGM_FI_DEV_POWER_USAGE": 460.0, "DCGM_FI_DEV_POWER_USAGE_INSTANT": 700.0}
+    meter(_reading(11.7, 400.0))  # the window is one second: the prefill has left it
+    assert meter.mean_w == 550.0  # (700 + 400) / 2: only samples of the last second count
 
 
 def test_engine_charges_each_request_by_its_steps() -> None:

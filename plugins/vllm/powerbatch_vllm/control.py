@@ -38,7 +38,7 @@ from powerbatch.telemetry.zeusd import ZeusdPowerSource
 from powerbatch_vllm.config import ENV_PREFIX, PluginConfig
 from powerbatch_vllm.energy import EngineEnergy
 from powerbatch_vllm.engine import EngineCaps, EngineLimits, StepStats, engine_limits
-from powerbatch_vllm.metrics import PluginMetrics, StatusServer, dcgm_text
+from powerbatch_vllm.metrics import ModelMeter, PluginMetrics, StatusServer
 
 log = logging.getLogger("vllm.powerbatch")
 
@@ -238,6 +238,9 @@ class ControlThread:
             max_plausible_w=cfg.power.plausible_w(cfg.control.ceiling_w),
             hampel=None if averaged else HampelFilter(),
         )
+        self.meter = ModelMeter()
+        if self.kind == "model":
+            self.monitor.add_listener(self.meter)
         self.metrics = m = PluginMetrics()
         m.engine_configured.labels("active_requests").set(caps.max_active_reqs)
         m.engine_configured.labels("step_tokens").set(caps.max_step_tokens)
@@ -337,7 +340,7 @@ class ControlThread:
             return ""
         gpu = self.cfg.power.gpus[0]
         name = f"powerbatch-model:{self.cfg.engine.model_profile}"
-        return dcgm_text(self.monitor.snapshot().raw_w, gpu, name)
+        return self.meter.text(gpu, name)
 
     def status(self) -> dict[str, Any]:
         doc = self.loop.status()

@@ -2,8 +2,12 @@
 
 The scheduler runs in vLLM's EngineCore process, which the API server's /metrics cannot see, so
 the plugin serves its own: /metrics (Prometheus text), /status and /history (JSON). With the
-model power source it also exports the modelled watts as `DCGM_FI_DEV_POWER_USAGE`, so anything
-that reads dcgm-exporter (the powerbatch proxy, a dashboard) can read the model the same way.
+model power source it also exports the modelled watts as dcgm-exporter names a GPU's, so anything
+that reads dcgm-exporter (the powerbatch proxy, a dashboard) can read the model the same way: the
+1-second mean as `DCGM_FI_DEV_POWER_USAGE` and the latest as `DCGM_FI_DEV_POWER_USAGE_INSTANT`.
+A reader chooses how to filter by the name (`PowerSettings.averages`), so each name must mean
+what it means on a GPU: a prefill window's watts exported as the 1-s mean would reach the
+controller unfiltered and read as a second over the ceiling.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import json
 import logging
 import math
 import threading
+from collections import deque
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -21,6 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from powerbatch.control.metrics import ControlMetrics
 from powerbatch.energy.metrics import EnergyMetrics
+from powerbatch.telemetry.monitor import PowerReading
 
 log = logging.getLogger("vllm.powerbatch")
 
@@ -65,14 +71,46 @@ def _json(obj: Any) -> bytes:
     return json.dumps(obj, allow_nan=False).encode()
 
 
-def dcgm_text(power_w: float | None, gpu: str, model_name: str) -> str:
-    """The modelled power in dcgm-exporter's format (empty while there is no reading)."""
+class ModelMeter:
+    """The modelled watts as dcgm-exporter shows a GPU's: a monitor listener.
+
+    The mean is over the raw samples of the last `window_s` (NVML's power usage is a 1-second
+    mean on Hopper and later: NVML API reference, nvmlDeviceGetPowerUsage). Both figures are
+    plain floats, set on the control thread and read whole by the HTTP thread.
+    """
+
+    def __init__(self, window_s: float = 1.0) -> None:
+        self.window_s = window_s
+        self.mean_w: float | None = None
+        self.instant_w: float | None = None
+        self._samples: deque[tuple[float, float]] = deque()
+
+    def __call__(self, reading: PowerReading) -> None:
+        if reading.t_s is None or reading.raw_w is None or not math.isfinite(reading.raw_w):
+            return
+        self._samples.append((reading.t_s, reading.raw_w))
+        while self._samples[0][0] <= reading.t_s - self.window_s:
+            self._samples.popleft()
+        self.mean_w = sum(w for _, w in self._samples) / len(self._samples)
+        self.instant_w = reading.raw_w
+
+    def text(self, gpu: str, model_name: str) -> str:
+        """Both fields in dcgm-exporter's format (empty while there is no reading)."""
+        labels = f'gpu="{gpu}",modelName="{model_name}"'
+        return _field(
+            "DCGM_FI_DEV_POWER_USAGE", "Power draw (in W), 1-second mean", labels, self.mean_w
+        ) + _field(
+            "DCGM_FI_DEV_POWER_USAGE_INSTANT", "Power draw (in W), latest", labels, self.instant_w
+        )
+
+
+def _field(name: str, help_: str, labels: str, power_w: float | None) -> str:
     if power_w is None or not math.isfinite(power_w):
         return ""
     return (
-        "# HELP DCGM_FI_DEV_POWER_USAGE Power draw (in W), modelled by powerbatch-vllm.\n"
-        "# TYPE DCGM_FI_DEV_POWER_USAGE gauge\n"
-        f'DCGM_FI_DEV_POWER_USAGE{{gpu="{gpu}",modelName="{model_name}"}} {power_w:.3f}\n'
+        f"# HELP {name} {help_}, modelled by powerbatch-vllm.\n"
+        f"# TYPE {name} gauge\n"
+        f"{name}{{{labels}}} {power_w:.3f}\n"
     )
 
 
