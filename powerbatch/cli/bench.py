@@ -24,7 +24,7 @@ import aiohttp
 
 from powerbatch.cli.extras import require_cli_extra
 from powerbatch.cli.report import RunData, plot_runs, plot_summary, summarize
-from powerbatch.cli.stack import Stack
+from powerbatch.cli.stack import Stack, add_dcgm_interval_argument
 from powerbatch.load import PROFILES, LoadProfile, run_load
 from powerbatch.shape import bench as shape_bench
 from powerbatch.shape.bench import SHAPE_ARMS
@@ -50,13 +50,7 @@ def add_common(p: argparse.ArgumentParser, duration_s: float) -> None:
         default=4,
         help="tokens per SSE event from the simulator (CPU budget)",
     )
-    p.add_argument(
-        "--dcgm-interval-s",
-        type=float,
-        default=1.0,
-        help="the simulated dcgm-exporter's collect interval; the proxy reads its 1-s mean "
-        "(0: the instant power at every poll)",
-    )
+    add_dcgm_interval_argument(p)
     p.add_argument("--ttft-slo-s", type=float, default=2.0)
     p.add_argument("--tpot-slo-s", type=float, default=0.1)
     p.add_argument("--valley-fill", action=argparse.BooleanOptionalAction, default=False)

@@ -41,6 +41,7 @@ import numpy as np
 
 from powerbatch.cli.process import Child, free_port
 from powerbatch.cli.report import power_1s
+from powerbatch.cli.stack import add_dcgm_interval_argument, exporter_metric
 from powerbatch.load import LoadProfile, run_load
 from powerbatch.load.client import RequestResult
 from powerbatch.load.profile import Phase, PlannedRequest
@@ -65,6 +66,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--ttft-slo-s", type=float, default=2.0)
     p.add_argument("--tpot-slo-s", type=float, default=0.1)
     p.add_argument("--lease-ttl-s", type=float, default=3.0)
+    add_dcgm_interval_argument(p)
     p.add_argument(
         "--limiter",
         action=argparse.BooleanOptionalAction,
@@ -174,7 +176,7 @@ def proxy_args(
     n = a.members
     args = ["serve", "--upstream", sim_url, "--port", str(port), "--power-source", "dcgm",
             "--dcgm-url", sim_url + "/metrics", "--dcgm-metric",
-            "DCGM_FI_DEV_POWER_USAGE_INSTANT", "--ceiling-w", str(a.budget_w / n),
+            exporter_metric(a.dcgm_interval_s), "--ceiling-w", str(a.budget_w / n),
             "--ttft-slo-s", str(a.ttft_slo_s), "--tpot-slo-s", str(a.tpot_slo_s),
             "--log-level", "warning"]  # fmt: skip
     if a.limiter:
@@ -198,7 +200,8 @@ async def run_arm(arm: str, a: argparse.Namespace, seed: int, log_dir: Path) -> 
     sim_urls = [f"http://127.0.0.1:{p}" for p in sim_ports]
     sim_args = ["-m", "powerbatch.cli.fleet_sims", "--ports", ",".join(map(str, sim_ports)),
                 "--seeds", ",".join(str(seed + i) for i in range(n)), "--profile", a.gpu,
-                "--stream-interval-tokens", "8"]  # fmt: skip
+                "--stream-interval-tokens", "8",
+                "--dcgm-interval-s", str(a.dcgm_interval_s)]  # fmt: skip
     sims = Child("sims", sim_args, log_dir, command=(sys.executable,))
     proxies, urls = [], []
     for i in range(n):

@@ -27,7 +27,11 @@ def _ints(text: str) -> list[int]:
 
 
 async def serve(
-    ports: Sequence[int], seeds: Sequence[int], profile: str, stream_interval_tokens: int
+    ports: Sequence[int],
+    seeds: Sequence[int],
+    profile: str,
+    stream_interval_tokens: int,
+    dcgm_interval_s: float = 0.0,
 ) -> None:
     """Serve one simulator per port until cancelled."""
     servers = []
@@ -36,7 +40,11 @@ async def serve(
             engine = SimEngine(profile=profile, seed=seed)
             servers.append(
                 await start_sim_server(
-                    engine, "127.0.0.1", port, stream_interval_tokens=stream_interval_tokens
+                    engine,
+                    "127.0.0.1",
+                    port,
+                    stream_interval_tokens=stream_interval_tokens,
+                    dcgm_interval_s=dcgm_interval_s,
                 )
             )
         logging.getLogger("powerbatch.sim").info("%d simulators listening", len(servers))
@@ -52,11 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", type=_ints, required=True)
     p.add_argument("--profile", default="h100-llama8b", choices=sorted(PROFILES))
     p.add_argument("--stream-interval-tokens", type=int, default=8)
+    p.add_argument("--dcgm-interval-s", type=float, default=0.0)
     a = p.parse_args(argv)
     if len(a.ports) != len(a.seeds):
         p.error("--ports and --seeds need one entry per simulator")
     logging.basicConfig(level=logging.INFO)
-    asyncio.run(serve(a.ports, a.seeds, a.profile, a.stream_interval_tokens))
+    asyncio.run(serve(a.ports, a.seeds, a.profile, a.stream_interval_tokens, a.dcgm_interval_s))
     return 0
 
 

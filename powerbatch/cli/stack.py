@@ -6,12 +6,31 @@ and the load, every relay would delay the GPU's next step.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from types import TracebackType
 
 from powerbatch.cli.process import Child, free_port
 
-__all__ = ["Child", "Stack", "free_port"]  # Child and free_port: re-exported for older imports
+__all__ = ["Child", "Stack", "add_dcgm_interval_argument", "exporter_metric", "free_port"]
+
+
+def add_dcgm_interval_argument(p: argparse.ArgumentParser) -> None:
+    """`--dcgm-interval-s`, the same for every bench that starts simulators."""
+    p.add_argument(
+        "--dcgm-interval-s",
+        type=float,
+        default=1.0,
+        help="the simulated dcgm-exporter's collect interval; the proxy reads its 1-s mean "
+        "(0: the instant power at every poll)",
+    )
+
+
+def exporter_metric(dcgm_interval_s: float) -> str:
+    """The field a proxy reads from a simulator collecting every `dcgm_interval_s`."""
+    if dcgm_interval_s <= 0:
+        return "DCGM_FI_DEV_POWER_USAGE_INSTANT"
+    return "DCGM_FI_DEV_POWER_USAGE"  # the exporter's 1-s mean, as operators read it
 
 
 class Stack:
@@ -37,9 +56,7 @@ class Stack:
         sim_cmd = ["sim", "--port", str(self.sim_port), *(sim_args or [])]
         sim_cmd += ["--dcgm-interval-s", str(dcgm_interval_s)]
         self.sim = Child("sim", sim_cmd, log_dir)
-        metric = "DCGM_FI_DEV_POWER_USAGE"  # the exporter's 1-s mean, as operators read it
-        if dcgm_interval_s <= 0:
-            metric += "_INSTANT"
+        metric = exporter_metric(dcgm_interval_s)
         self.proxy: Child | None = None
         if with_proxy:
             args = [
