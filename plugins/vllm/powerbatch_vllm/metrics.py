@@ -74,9 +74,9 @@ def _json(obj: Any) -> bytes:
 class ModelMeter:
     """The modelled watts as dcgm-exporter shows a GPU's: a monitor listener.
 
-    The mean is over the raw samples of the last `window_s` (NVML's power usage is a 1-second
-    mean on Hopper and later: NVML API reference, nvmlDeviceGetPowerUsage). Both figures are
-    plain floats, set on the control thread and read whole by the HTTP thread.
+    The mean is over the raw samples of the last `window_s` (NVML API reference,
+    nvmlDeviceGetPowerUsage: a 1-second mean on Ampere, except GA100, and later). Both figures
+    are plain floats, set on the control thread and read whole by the HTTP thread.
     """
 
     def __init__(self, window_s: float = 1.0) -> None:
