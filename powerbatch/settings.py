@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import enum
 import math
 import tomllib
 import types
@@ -120,6 +121,8 @@ class Field:
         base = _strip_none(self.kind)
         if typing.get_origin(base) is Literal:
             return tuple(str(c) for c in typing.get_args(base))
+        if isinstance(base, type) and issubclass(base, enum.Enum):
+            return tuple(str(m.value) for m in base)
         return None
 
     def default_text(self) -> str:
@@ -222,6 +225,12 @@ def parse_value(kind: Any, raw: Any) -> Any:
         if choice not in choices:
             raise ValueError(f"must be one of {', '.join(map(str, choices))}, got {raw!r}")
         return choice
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        try:
+            return kind(raw.strip() if isinstance(raw, str) else raw)
+        except ValueError:
+            names = ", ".join(str(m.value) for m in kind)
+            raise ValueError(f"must be one of {names}, got {raw!r}") from None
     if origin is tuple:
         item = typing.get_args(kind)[0]
         if isinstance(raw, str):

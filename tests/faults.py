@@ -21,7 +21,8 @@ from aiohttp import web
 from helpers import async_wait_until
 
 from powerbatch.admission import AdmissionQueue
-from powerbatch.control import ControlConfig, Controller, Limits
+from powerbatch.control import ControlConfig, Limits
+from powerbatch.control.controller import Controller
 from powerbatch.errors import SensorReadError
 from powerbatch.proxy import Governor, ProxyMetrics, ProxySettings, create_app
 from powerbatch.proxy.app import create_admin_app

@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from powerbatch.control import ControlConfig, Controller, LatencySnapshot, Observation
+from powerbatch.control import ControlConfig, LatencySnapshot, Observation
+from powerbatch.control.controller import Controller
 from powerbatch.estimate import Features
 
 Plant = Callable[[float], float]  # mean 1-second power at a batch

@@ -25,8 +25,9 @@ from faults import running_proxy, upstream
 
 from powerbatch.admission import AdmissionQueue
 from powerbatch.cli.replay import replay, summarize
-from powerbatch.control import ControlConfig, Controller, Decision, Limits, Observation
-from powerbatch.control.loop import FeatureWindow, ReadingClock
+from powerbatch.control import ControlConfig, Decision, Limits, Observation
+from powerbatch.control.controller import Controller
+from powerbatch.control.window import FeatureWindow, ReadingAligner
 from powerbatch.errors import SensorReadError
 from powerbatch.estimate import Features
 from powerbatch.proxy import Governor, ProxyMetrics, ProxySettings, create_app
@@ -470,7 +471,7 @@ def _learned_slope_w(aligned: bool) -> float:
     1-second mean once a second while the batch moves every 0.6 s (true slope: 10 W)."""
     rng = np.random.default_rng(3)
     ctl = Controller(ControlConfig(ceiling_w=2000.0, warmup_s=0.0))
-    window, clock = FeatureWindow(1.0), ReadingClock(every_tick=False)
+    window, clock = FeatureWindow(1.0), ReadingAligner(every_tick=False)
     batches = rng.integers(2, 40, size=200)
     tick_s, sub = 0.2, 20  # the plant integrates its power over 10-ms slices
 

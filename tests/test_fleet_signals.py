@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from powerbatch.control.loop import TickRecord
+from powerbatch.control.record import TickRecord
 from powerbatch.estimate import Features
 from powerbatch.fleet import Bid, water_fill
 from powerbatch.fleet.signals import DEMAND_TAU_S, LoopSignals
@@ -54,7 +54,14 @@ def loop(
         power_limit_w=limit_w,
     )  # fmt: skip
     controller = SimpleNamespace(model=model, config=SimpleNamespace(min_batch=1))
-    return SimpleNamespace(history=[rec], controller=controller, actuator=Actuator())
+    device = Actuator()
+    return SimpleNamespace(
+        history=[rec],
+        controller=controller,
+        device=device,
+        device_limit_bounds_w=device.bounds_w,
+        predict_w=lambda f: model.predict_one(f)[0],
+    )
 
 
 def test_a_member_held_at_its_limit_with_work_wants_what_the_device_allows() -> None:

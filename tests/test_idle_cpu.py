@@ -16,7 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from powerbatch.control import ControlConfig, Controller, Observation
+from powerbatch.control import ControlConfig, Observation
+from powerbatch.control.controller import Controller
 from powerbatch.estimate import Features
 
 IDLE_CPU_LIMIT = 0.05  # of one core

@@ -18,7 +18,8 @@ from conftest import run
 
 from powerbatch.cli.serve import build
 from powerbatch.cli.settings import SERVE, ServeSettings
-from powerbatch.control import ControlConfig, Controller, Observation
+from powerbatch.control import ControlConfig, Observation
+from powerbatch.control.controller import Controller
 from powerbatch.estimate import Features
 from powerbatch.settings import load
 from powerbatch.sim import SimEngine

@@ -7,9 +7,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from powerbatch.control import ControlConfig, Controller, LatencySnapshot, Observation
+from powerbatch.control import ControlConfig, LatencySnapshot, Observation
+from powerbatch.control.config import ShapeSettings
+from powerbatch.control.controller import Controller
 from powerbatch.estimate import Features
-from powerbatch.shape import ShapeSettings
 
 
 def plant(n: float) -> float:

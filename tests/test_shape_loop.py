@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 
 from powerbatch.admission import AdmissionQueue
-from powerbatch.control import ControlConfig, Controller, Limits
+from powerbatch.control import ControlConfig, Limits
+from powerbatch.control.config import ShapeSettings
+from powerbatch.control.controller import Controller
 from powerbatch.proxy import Governor, ProxyMetrics
-from powerbatch.shape import ShapeSettings
 from powerbatch.shape.runner import PlanRunner, QueueCounts, queue_counts
 from powerbatch.telemetry import PowerMonitor, PowerSample
 
@@ -29,11 +30,14 @@ class Timed:
         return None
 
 
-def governor(src: Timed, shape: ShapeSettings, **kw: Any) -> Governor:
+def governor(src: Timed, shape: ShapeSettings, *, planned: bool = False, **kw: Any) -> Governor:
     config = ControlConfig(ceiling_w=1000.0, warmup_s=0.0)
     queue = AdmissionQueue(Limits(8, config.max_kv_tokens, None), valley_fill=True)
     monitor = PowerMonitor(src, interval_s=0.1, stale_after_s=1.0, clock=lambda: src.t)
-    return Governor(Controller(config, shape=shape), queue, monitor, ProxyMetrics(), **kw)
+    controller = Controller(config, shape=shape)
+    if planned:
+        kw["plan"] = PlanRunner(shape, controller, lambda: queue_counts(queue), clock=lambda: src.t)
+    return Governor(controller, queue, monitor, ProxyMetrics(), **kw)
 
 
 def run_seconds(gov: Governor, src: Timed, watts: list[float]) -> None:
@@ -86,9 +90,9 @@ def test_status_and_metrics_count_ramp_violations_and_floor_shortfall() -> None:
 def test_planner_task_plans_and_the_tick_follows_it() -> None:
     src = Timed()
     shape = ShapeSettings(ramp_up_w_per_s=20.0, floor_w=350.0, planner="on", plan_horizon_s=30)
-    gov = governor(src, shape)
-    runner = PlanRunner(shape, gov.controller, lambda: queue_counts(gov.queue), clock=lambda: src.t)
-    gov.loop.plan = runner
+    gov = governor(src, shape, planned=True)
+    runner = gov.loop.plan
+    assert isinstance(runner, PlanRunner)
     run_seconds(gov, src, [300.0] * 3)
     assert asyncio.run(runner.replan()) is None  # the first call starts the rate window
     run_seconds(gov, src, [300.0])

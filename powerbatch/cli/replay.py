@@ -16,8 +16,9 @@ import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from powerbatch.control import ControlConfig, Controller, Decision, Observation
-from powerbatch.control.loop import ReadingClock
+from powerbatch.control import ControlConfig, Decision, Observation
+from powerbatch.control.controller import Controller
+from powerbatch.control.window import ReadingAligner
 from powerbatch.estimate import Features
 from powerbatch.telemetry.trace import TraceRow, read_trace
 
@@ -37,7 +38,7 @@ def replay(rows: Iterator[TraceRow], config: ControlConfig) -> Iterator[tuple[Tr
     unless the trace says otherwise. Rows without power (recorded failed closed) are skipped."""
     controller = Controller(config)
     # A held reading repeats its raw watts and energy.
-    clock = ReadingClock(every_tick=False, max_weight=config.tick_hz)
+    clock = ReadingAligner(every_tick=False, max_weight=config.tick_hz)
     for row in rows:
         if row.power_w is None:
             continue

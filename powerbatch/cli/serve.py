@@ -13,8 +13,9 @@ from aiohttp import web
 
 from powerbatch.admission import AdmissionQueue
 from powerbatch.cli.settings import ServeSettings
-from powerbatch.control import Controller, Limits, prior_max_w
-from powerbatch.control.loop import open_trace
+from powerbatch.control import Limits, prior_max_w
+from powerbatch.control.controller import Controller
+from powerbatch.control.record import open_trace
 from powerbatch.errors import ConfigError, PowerbatchError, TelemetryError
 from powerbatch.fleet import attach, join
 from powerbatch.proxy import Governor, ProxyMetrics, create_app

@@ -12,13 +12,12 @@ from typing import Literal
 
 from powerbatch.admission.priority import PRIORITIES
 from powerbatch.admission.settings import AdmissionSettings
-from powerbatch.control.config import ControlConfig, TraceSettings
+from powerbatch.control.config import ControlConfig, ShapeSettings, TraceSettings
 from powerbatch.energy.settings import EnergySettings
 from powerbatch.errors import ConfigError
 from powerbatch.fleet.settings import FleetSettings
 from powerbatch.proxy.settings import ProxySettings
 from powerbatch.settings import Surface, setting
-from powerbatch.shape.settings import ShapeSettings
 from powerbatch.telemetry.settings import LimiterSettings, PowerSettings
 
 

@@ -1,26 +1,35 @@
-"""Control: the decision each tick, from measured power, the learned model and latency."""
+"""Control: the decision each tick, from measured power, the learned model and latency.
 
-from powerbatch.control.config import ControlConfig, Mode, prior_max_w
-from powerbatch.control.controller import (
-    BINDINGS,
+This package's top level is light (plain data, enums, settings): the admission queue imports
+`Limits` from here without loading numpy. The controller itself is
+`powerbatch.control.controller.Controller`, the loop both hosts run `powerbatch.control.loop`.
+"""
+
+from powerbatch.control.config import ControlConfig, Gains, Mode, ShapeSettings, prior_max_w
+from powerbatch.control.latency import LatencySnapshot, LatencyWindow
+from powerbatch.control.types import (
     CONSTRAINTS,
-    Controller,
+    Binding,
     Decision,
+    Deferrable,
     Limits,
     Observation,
+    State,
 )
-from powerbatch.control.latency import LatencySnapshot, LatencyWindow
 
 __all__ = [
-    "BINDINGS",
     "CONSTRAINTS",
+    "Binding",
     "ControlConfig",
-    "Controller",
     "Decision",
+    "Deferrable",
+    "Gains",
     "LatencySnapshot",
     "LatencyWindow",
     "Limits",
     "Mode",
     "Observation",
+    "ShapeSettings",
+    "State",
     "prior_max_w",
 ]

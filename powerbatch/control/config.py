@@ -1,19 +1,26 @@
-"""The controller's settings: what an operator sets (`ControlConfig`) and the gains of each law.
+"""The controller's settings: what an operator sets (`ControlConfig`), the gains of each law and
+the grid's power shape (`ShapeSettings`).
 
 Each gain sits next to the law it tunes (`Gains`); the laws themselves are in
-`powerbatch.control.controller`. Both are settings (flags, `POWERBATCH_*`, TOML), defined here
-once, so the proxy and the vLLM plugin read the same names with the same bounds.
+`powerbatch.control.laws`. All are settings (flags, `POWERBATCH_*`, TOML), defined here once, so
+the proxy and the vLLM plugin read the same names with the same bounds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Literal
 
 from powerbatch.errors import ConfigError
 from powerbatch.settings import check_bounds, setting
 
-Mode = Literal["enforce", "observe"]
+
+class Mode(StrEnum):
+    """Enforce the limits, or observe: decide and report only."""
+
+    ENFORCE = "enforce"
+    OBSERVE = "observe"
 
 
 def prior_max_w(
@@ -139,7 +146,7 @@ class ControlConfig:
         gt=0,
         default_doc="NVML's default limit with nvml, else ceiling / 0.7",
     )
-    mode: Mode = setting("enforce", "enforce limits, or observe (decide and report only)")
+    mode: Mode = setting(Mode.ENFORCE, "enforce limits, or observe (decide and report only)")
     tick_hz: float = setting(5.0, "control decisions per second", gt=0, le=100)
     warmup_s: float = setting(5.0, "silent warm-up: learn at the initial batch, s", ge=0)
     min_batch: int = setting(1, "smallest batch limit", ge=1)
@@ -217,3 +224,46 @@ class TraceSettings:
         64.0, "size at which the trace rotates to FILE.1, FILE.2, ... (~1 day at 5 Hz), MiB", gt=0
     )
     trace_keep: int = setting(4, "rotated trace files kept besides the current one", ge=0)
+
+
+@dataclass(frozen=True, slots=True)
+class ShapeSettings:
+    """Power shape: ramp limits and a floor for the grid, and the receding-horizon planner"""
+
+    ramp_up_w_per_s: float | None = setting(
+        None, "largest rise of 1-second power per second, W/s; 0 or unset: off", ge=0
+    )
+    ramp_down_w_per_s: float | None = setting(
+        None, "largest fall of 1-second power per second, W/s; 0 or unset: off", ge=0
+    )
+    floor_w: float | None = setting(
+        None, "hold power at least here with deferrable (low) work while it waits, W", ge=0
+    )
+    swing_band_hz: tuple[float, ...] = setting(
+        (0.2, 3.0), "band (lo, hi) whose swing energy is reported, Hz", default_doc="0.2, 3.0"
+    )
+    planner: Literal["off", "on"] = setting(
+        "off", "plan per-second power over a horizon and follow it (off: reactive limits only)"
+    )
+    plan_horizon_s: float = setting(60.0, "the planner's horizon, s", ge=30, le=120)
+    plan_every_s: float = setting(5.0, "re-plan this often, s", ge=0.5, le=60)
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+        band = self.swing_band_hz
+        if len(band) != 2 or not 0 <= band[0] < band[1]:
+            raise ConfigError(f"swing_band_hz must be two numbers lo < hi, got {band}")
+
+    @property
+    def ramp_up(self) -> float | None:
+        """The rise limit, W/s; None when off (unset or 0)."""
+        return self.ramp_up_w_per_s or None
+
+    @property
+    def ramp_down(self) -> float | None:
+        return self.ramp_down_w_per_s or None
+
+    @property
+    def active(self) -> bool:
+        """Any limit set: the controller has shaping to do."""
+        return bool(self.ramp_up or self.ramp_down or self.floor_w is not None)

@@ -1,9 +1,10 @@
 """The control loop shared by the proxy and the vLLM plugin: telemetry in, limits out, each tick.
 
 A host (the proxy's admission queue, the plugin's scheduler) supplies a `FeatureSource` (what is
-in flight, counters of work done, latency) and one or more `LimitsSink`s (where limits go). The
+in flight, counters of work done, latency), one or more `LimitsSink`s (where limits go) and any
+`TickObserver`s (accounting that watches the ticks: the shape tracker, energy per request). The
 loop owns everything between: tick timing and its fail-safe, the 1-second feature window, the
-power the controller acts on, metrics, the `/status` document, history rows and the trace.
+power the controller acts on, the device limit, metrics, history and the trace.
 """
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from powerbatch.control.config import TraceSettings
-from powerbatch.control.controller import Controller, Decision, Limits, Observation
+from powerbatch.control.controller import Controller
+from powerbatch.control.device import DeviceLimit
 from powerbatch.control.latency import LatencySnapshot
 from powerbatch.control.metrics import ControlMetrics
+from powerbatch.control.record import History, TickRecord
+from powerbatch.control.status import status_document
+from powerbatch.control.types import Decision, Observation, State
+from powerbatch.control.window import FeatureWindow, ReadingAligner
 from powerbatch.estimate import Features
-from powerbatch.shape.tracker import ShapeTracker
 from powerbatch.telemetry.limiter import LimitActuator
 from powerbatch.telemetry.monitor import PowerMonitor, PowerReading
 from powerbatch.telemetry.trace import TraceRow, TraceWriter
@@ -44,16 +48,18 @@ class HostSample:
     queued_deferrable: int = 0  # low-class requests waiting (the shape floor's reserve)
 
 
-class FeatureSource(Protocol):
+class StatusSection(Protocol):
+    def status_extra(self) -> dict[str, Any]:
+        """Sections for /status: new keys are added, a dict under an existing key is merged."""
+        ...
+
+
+class FeatureSource(StatusSection, Protocol):
     """The host's side of the loop's input. `sample` is called once per tick, on the loop."""
 
     def sample(self) -> HostSample: ...
 
     def latency(self, t_s: float) -> LatencySnapshot | None: ...
-
-    def status_extra(self) -> dict[str, Any]:
-        """Sections for /status: new keys are added, a dict under an existing key is merged."""
-        ...
 
 
 class LimitsSink(Protocol):
@@ -64,7 +70,15 @@ class LimitsSink(Protocol):
     def fail_safe(self) -> None: ...
 
 
-class CeilingSource(Protocol):
+class TickObserver(StatusSection, Protocol):
+    """Watches every tick (and every failed one); changes no limit."""
+
+    def observe(self, obs: Observation, decision: Decision) -> None: ...
+
+    def fail_safe(self) -> None: ...
+
+
+class CeilingSource(StatusSection, Protocol):
     """Where this tick's ceiling comes from when it moves (a fleet budget's lease)."""
 
     def ceiling_w(self, t_s: float) -> float | None:
@@ -82,166 +96,6 @@ class PlanSource(Protocol):
     async def run_forever(self) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class TickRecord:
-    """One tick: what `/history`, the trace and the demo's plots are made of.
-
-    `power_w` is the 1-second power the controller acted on; `raw_w` the latest sample as the
-    source reported it, unfiltered.
-    """
-
-    t_s: float
-    power_w: float | None
-    raw_w: float | None
-    energy_j: float | None
-    predicted_w: float
-    predicted_upper_w: float
-    target_w: float
-    limit_requests: int  # proposed
-    limit_kv_tokens: int  # proposed
-    prefill_tok_s: float | None  # proposed pace; None: unpaced
-    enforced_requests: int
-    in_flight: int
-    kv_in_flight: float
-    queued: int
-    binding: str
-    state: str
-    features: Features
-    plan_w: float | None = None  # the shape planner's power for this second
-    power_limit_w: float | None = None  # the device limit in force (None: none, or degraded)
-
-    def as_dict(self) -> dict[str, Any]:
-        """Flat and strict-JSON-safe (non-finite numbers become None)."""
-        out = {k: v for k, v in asdict(self).items() if k != "features"}
-        out.update({f"feature_{k}": v for k, v in asdict(self.features).items()})
-        safe: dict[str, Any] = json_safe(out)
-        return safe
-
-    def trace_row(self) -> TraceRow:
-        f = self.features
-        return TraceRow(
-            t_s=self.t_s,
-            power_w=self.power_w,
-            energy_j=self.energy_j,
-            requests_in_flight=f.batch,
-            kv_tokens_in_flight=f.kv_tokens,
-            prefill_tok_s=f.prefill_tok_s,
-            decode_tok_s=f.decode_tok_s,
-            queue_len=float(self.queued),
-            raw_w=self.raw_w,
-            limit_requests=float(self.limit_requests),
-            limit_kv_tokens=float(self.limit_kv_tokens),
-            enforced_requests=float(self.enforced_requests),
-            state=self.state,
-            binding=self.binding,
-        )
-
-
-HISTORY_COLUMNS: tuple[str, ...] = (
-    *(n for n in TickRecord.__dataclass_fields__ if n != "features"),
-    *(f"feature_{n}" for n in Features.__dataclass_fields__),
-)
-
-
-def json_safe(obj: Any) -> Any:
-    """`obj` with every NaN or infinity replaced by None: strict JSON has no such numbers."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [json_safe(v) for v in obj]
-    return obj
-
-
-class FeatureWindow:
-    """Levels averaged and counters differenced over the last `window_s` of ticks.
-
-    The model regresses the 1-second power (the quantity the ceiling is about) on features
-    taken over the same second, so cause and effect line up.
-    """
-
-    def __init__(self, window_s: float = 1.0) -> None:
-        self.window_s = window_s
-        self._ticks: deque[tuple[float, float, float, float, float]] = deque()
-
-    def update(
-        self, t_s: float, batch: float, kv: float, prefill_total: float, decode_total: float
-    ) -> Features:
-        ticks = self._ticks
-        ticks.append((t_s, batch, kv, prefill_total, decode_total))
-        while len(ticks) > 2 and ticks[1][0] <= t_s - self.window_s:
-            ticks.popleft()
-        first = ticks[0]
-        dt = t_s - first[0]
-        n = len(ticks)
-        return Features(
-            batch=sum(x[1] for x in ticks) / n,
-            kv_tokens=sum(x[2] for x in ticks) / n,
-            prefill_tok_s=(prefill_total - first[3]) / dt if dt > 0 else 0.0,
-            decode_tok_s=(decode_total - first[4]) / dt if dt > 0 else 0.0,
-        )
-
-
-class ReadingClock:
-    """Which load a power reading measured, and how much it weighs when learned.
-
-    A source the monitor averages is read afresh every tick, over the same second as the
-    features: each tick's reading weighs one. An exporter that collects once a second
-    (dcgm-exporter's `--collect-interval`) serves one value for a whole period: it is new on
-    the tick that first sees it, it measured the second before that tick, whatever the ticks
-    after it see, and it weighs the ticks since the last new value (at most a window's worth:
-    it is a mean over one window, however long it is then held). A held value weighs 0.
-    """
-
-    def __init__(self, every_tick: bool, max_weight: float = 5.0) -> None:
-        self.every_tick = every_tick
-        self.max_weight = max_weight
-        self._key: tuple[float | None, float | None] | None = None
-        self._features: Features | None = None
-        self._ticks = 0
-
-    def update(
-        self, raw_w: float | None, energy_j: float | None, features: Features
-    ) -> tuple[float, Features]:
-        """(weight, the features the reading measured) for this tick's reading and features.
-        Without a raw value (an old trace) every reading is new."""
-        self._ticks += 1
-        key = (raw_w, energy_j)
-        if self.every_tick or raw_w is None or key != self._key or self._features is None:
-            weight = 1.0 if self.every_tick else float(min(self._ticks, self.max_weight))
-            self._key, self._features, self._ticks = key, features, 0
-            return weight, features
-        return 0.0, self._features
-
-
-def _limits(x: Limits | None) -> dict[str, Any] | None:
-    if x is None:
-        return None
-    return {
-        "max_requests": x.max_requests,
-        "max_kv_tokens": x.max_kv_tokens,
-        "prefill_tok_s": x.prefill_tok_s,
-        "reserve_requests": x.reserve_requests,
-    }
-
-
-def open_trace(settings: TraceSettings) -> TraceWriter | None:
-    """The trace's writer, or None (logged) where the file cannot be opened: the ceiling
-    matters more than its record."""
-    if not settings.record_trace:
-        return None
-    try:
-        return TraceWriter(
-            settings.record_trace,
-            max_bytes=int(settings.trace_rotate_mib * 1024 * 1024),
-            keep=settings.trace_keep,
-        )
-    except OSError as exc:
-        log.error("cannot write the control trace to %s: %s", settings.record_trace, exc)
-        return None
-
-
 class ControlLoop:
     """Ticks the controller at `tick_hz` and publishes what it decided.
 
@@ -257,6 +111,7 @@ class ControlLoop:
         sinks: Sequence[LimitsSink],
         metrics: ControlMetrics,
         *,
+        observers: Sequence[TickObserver] = (),
         window_s: float = 1.0,
         source_averages: bool = False,
         history_len: int = 36_000,
@@ -267,29 +122,28 @@ class ControlLoop:
         plan: PlanSource | None = None,
     ) -> None:
         self.controller = controller
-        self.plan = plan
-        self._plan_task: asyncio.Task[None] | None = None
-        self.shape = ShapeTracker(controller.shape, metrics.shape)
-        self.ceiling = ceiling
-        # The device power limit: a second, fast actuator; None or NoLimiter: admission alone.
-        self.actuator = actuator if actuator and actuator.limiter.controls_device else None
-        self._applying: asyncio.Task[None] | None = None
         self.monitor = monitor
         self.features = features
         self.sinks = list(sinks)
+        self.observers = list(observers)
         self.metrics = metrics
+        self.ceiling = ceiling
+        self.plan = plan
+        # The device power limit: a second, fast actuator; None or NoLimiter: admission alone.
+        self.device = (
+            DeviceLimit(actuator) if actuator and actuator.limiter.controls_device else None
+        )
         self.window_s = window_s
         # A source that already reports a 1-second mean (NVML's power usage on Hopper, dcgm's
         # DCGM_FI_DEV_POWER_USAGE) is used as it is: averaging it again would lag the power a
         # second behind the features it is regressed on.
         self.source_averages = source_averages
-        self.history: deque[TickRecord] = deque(maxlen=history_len)
-        self.trace = trace
+        self.record = History(history_len, trace)
         self.clock = clock
         self._window = FeatureWindow(window_s)
         tick_hz = controller.config.tick_hz
-        self._reading_clock = ReadingClock(not source_averages, max(1.0, window_s * tick_hz))
-        self._task: asyncio.Task[None] | None = None
+        self._aligner = ReadingAligner(not source_averages, max(1.0, window_s * tick_hz))
+        self._tasks: list[asyncio.Task[None]] = []
         self._sample: HostSample | None = None
         self._latency: LatencySnapshot | None = None
         self._model: dict[str, Any] = {}
@@ -308,12 +162,16 @@ class ControlLoop:
         return self.controller.last
 
     @property
-    def state(self) -> str:
+    def history(self) -> deque[TickRecord]:
+        return self.record.records
+
+    @property
+    def state(self) -> State:
         """starting until the first tick; fail_closed after a tick that raised."""
         if self._tick_error is not None:
-            return "fail_closed"
+            return State.FAIL_CLOSED
         d = self.controller.last
-        return d.state if d else "starting"
+        return d.state if d else State.STARTING
 
     @property
     def ready(self) -> bool:
@@ -329,42 +187,41 @@ class ControlLoop:
             return reading.filtered_w
         return self.monitor.mean_w(self.window_s)
 
+    def predict_w(self, features: Features) -> float:
+        """The power model's mean watts at a load (a fleet member's bid prices its demand)."""
+        return self.controller.model.predict_one(features)[0]
+
+    def device_limit_bounds_w(self) -> tuple[float, float] | None:
+        """The device's (lowest, highest) limit where a limiter controls it, else None."""
+        return self.device.bounds_w() if self.device is not None else None
+
     # -- running ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the power monitor and the tick task on the running event loop.
-
-        The limiter starts first: it restores a limit a crashed run left behind before
-        anything else happens. A limiter that cannot start leaves admission alone in charge.
-        """
-        if self.actuator is not None and not await self.actuator.start():
-            log.error("power limiter degraded at start: %s", self.actuator.degraded_reason)
+        """Start the device limit (crash recovery first), the power monitor and the tick task
+        on the running event loop. A limiter that cannot start leaves admission in charge."""
+        if self.device is not None:
+            await self.device.start()
         await self.monitor.start()
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self.run(), name="powerbatch-control")
-        if self.plan is not None and (self._plan_task is None or self._plan_task.done()):
-            self._plan_task = asyncio.create_task(self.plan.run_forever(), name="powerbatch-plan")
+        if not any(not t.done() for t in self._tasks):
+            self._tasks = [asyncio.create_task(self.run(), name="powerbatch-control")]
+            if self.plan is not None:
+                self._tasks.append(
+                    asyncio.create_task(self.plan.run_forever(), name="powerbatch-plan")
+                )
 
     async def stop(self) -> None:
-        """Stop ticking and polling and flush the trace; the power source is left to its owner."""
-        for task in (self._plan_task, self._task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        self._task = self._plan_task = None
+        """Stop ticking and polling, flush the trace and restore the device limit; the power
+        source is left to its owner."""
+        for task in reversed(self._tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
         await self.monitor.stop()
-        if self.trace is not None:
-            self.trace.close()
-        if self.actuator is not None:
-            if self._applying is not None:
-                with contextlib.suppress(Exception):
-                    await self._applying
-            try:
-                await self.actuator.restore()
-            except Exception as exc:  # the state file makes the next start restore it
-                log.error("could not restore the device power limit: %s", exc)
-            await self.actuator.limiter.close()
+        self.record.close()
+        if self.device is not None:
+            await self.device.stop()
 
     async def run(self) -> None:
         """Tick at `tick_hz` until cancelled; a tick that raises holds the safe limits."""
@@ -393,15 +250,19 @@ class ControlLoop:
         m = self.metrics
         m.tick_errors.inc()
         m.sensor_ok.set(0.0)
-        for s in m.states:
-            m.state.labels(s).set(1.0 if s == "fail_closed" else 0.0)
-        for sink in self.sinks:
+        for s in State:
+            m.state.labels(s).set(1.0 if s is State.FAIL_CLOSED else 0.0)
+        parts: list[LimitsSink | TickObserver] = [*self.sinks, *self.observers]
+        for part in parts:
             try:
-                sink.fail_safe()
+                part.fail_safe()
             except Exception:
-                log.exception("limits sink %r failed to go safe", sink)
+                log.exception("%r failed to go safe", part)
 
     # -- one tick -----------------------------------------------------------------------------
+
+    def _limit_in_force_w(self) -> float | None:
+        return self.device.in_force_w() if self.device is not None else None
 
     def tick(self, t_s: float) -> Decision:
         reading = self.monitor.snapshot()
@@ -410,8 +271,7 @@ class ControlLoop:
             t_s, host.in_flight, host.kv_tokens, host.prefill_tokens_total, host.decode_tokens_total
         )
         latency = self.features.latency(t_s)
-        plan_w = self.plan.plan_w(t_s) if self.plan is not None else None
-        weight, measured = self._reading_clock.update(reading.raw_w, reading.energy_j, features)
+        weight, measured = self._aligner.update(reading.raw_w, reading.energy_j, features)
         obs = Observation(
             t_s=t_s,
             power_w=self.power_w(reading),
@@ -425,80 +285,46 @@ class ControlLoop:
             ceiling_w=self.ceiling.ceiling_w(t_s) if self.ceiling is not None else None,
             power_limit_w=self._limit_in_force_w(),
             queued_deferrable=host.queued_deferrable,
-            plan_w=plan_w,
+            plan_w=self.plan.plan_w(t_s) if self.plan is not None else None,
             reading_features=measured,
             reading_weight=weight,
         )
         d = self.controller.tick(obs)
-        self.shape.observe(d, plan_w, host.queued_deferrable)
-        if self.plan is not None:
-            self.shape.note_plan(self.plan.summary())
         for sink in self.sinks:
             sink.apply(d)
-        self._apply_limit(d.power_limit_w)
+        for observer in self.observers:
+            observer.observe(obs, d)
+        if self.device is not None:
+            self.device.request(d.power_limit_w)
         self._sample, self._latency, self._tick_error = host, latency, None
         if t_s - self._model_at >= 1.0:  # for /status, off its request path
             self._model_at = t_s
             self._model = self._model_summary()
         self._export(d, reading, features, latency)
-        record = TickRecord(
-            t_s=t_s,
-            power_w=d.power_w,
-            raw_w=reading.raw_w,
-            energy_j=reading.energy_j,
-            predicted_w=d.predicted_w,
-            predicted_upper_w=d.predicted_upper_w,
-            target_w=d.target_w,
-            limit_requests=d.proposed.max_requests,
-            limit_kv_tokens=d.proposed.max_kv_tokens,
-            prefill_tok_s=d.proposed.prefill_tok_s,
-            enforced_requests=d.enforced.max_requests,
-            in_flight=host.in_flight,
-            kv_in_flight=host.kv_tokens,
-            queued=host.queued,
-            binding=d.binding,
-            state=d.state,
-            features=features,
-            plan_w=plan_w,
-            power_limit_w=self._limit_in_force_w(),
+        self.record.append(
+            TickRecord(
+                t_s=t_s,
+                power_w=d.power_w,
+                raw_w=reading.raw_w,
+                energy_j=reading.energy_j,
+                predicted_w=d.predicted_w,
+                predicted_upper_w=d.predicted_upper_w,
+                target_w=d.target_w,
+                limit_requests=d.proposed.max_requests,
+                limit_kv_tokens=d.proposed.max_kv_tokens,
+                prefill_tok_s=d.proposed.prefill_tok_s,
+                enforced_requests=d.enforced.max_requests,
+                in_flight=host.in_flight,
+                kv_in_flight=host.kv_tokens,
+                queued=host.queued,
+                binding=d.binding,
+                state=d.state,
+                features=features,
+                plan_w=obs.plan_w,
+                power_limit_w=self._limit_in_force_w(),
+            )
         )
-        self.history.append(record)
-        if self.trace is not None:
-            try:
-                self.trace.write(record.trace_row())
-            except OSError as exc:  # a full disk must not fail the ceiling
-                log.error("trace writing stopped: %s", exc)
-                self.trace = None
         return d
-
-    def _limit_in_force_w(self) -> float | None:
-        """The device limit the controller may lean on: None while degraded (then admission
-        alone holds the ceiling with the software margin) or with no limiter."""
-        a = self.actuator
-        if a is None or a.degraded:
-            return None
-        return a.in_force_w
-
-    def _apply_limit(self, requested_w: float | None) -> None:
-        """Hand the requested limit to the actuator off the tick: a set takes milliseconds to
-        a second (zeusd's block=true), and the tick must not wait. One set at a time; the next
-        tick brings the newest request."""
-        if self.actuator is None or requested_w is None:
-            return
-        if self._applying is not None and not self._applying.done():
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # driven by hand, without a loop (tests of the tick alone)
-            return
-        self._applying = loop.create_task(self._apply(requested_w), name="powerbatch-limit")
-
-    async def _apply(self, requested_w: float) -> None:
-        assert self.actuator is not None
-        try:
-            await self.actuator.apply(requested_w)
-        except Exception:  # the actuator reports its own failures; this is a bug guard
-            log.exception("applying the device power limit failed")
 
     def _export(
         self,
@@ -510,8 +336,8 @@ class ControlLoop:
         m = self.metrics
         m.ticks.inc()
         m.export_decision(d, reading.raw_w, reading.energy_j)
-        if self.actuator is not None:
-            m.export_limiter(self.actuator.status())
+        if self.device is not None:
+            m.export_limiter(self.device.status())
         m.export_latency(latency)
         m.ready.set(1.0 if reading.ok else 0.0)
         for name in ("batch", "kv_tokens", "prefill_tok_s", "decode_tok_s"):
@@ -528,77 +354,29 @@ class ControlLoop:
     # -- what it publishes --------------------------------------------------------------------
 
     def trace_rows(self) -> list[TraceRow]:
-        """The ticks kept in memory as a replayable trace (see powerbatch.telemetry.trace)."""
-        return [r.trace_row() for r in self.history]
+        return self.record.trace_rows()
 
     def history_rows(self, since_s: float = -math.inf) -> list[dict[str, Any]]:
-        return [r.as_dict() for r in list(self.history) if r.t_s > since_s]
+        return self.record.rows(since_s)
 
     def history_columns(self, since_s: float = -math.inf) -> dict[str, list[Any]]:
-        """The history as columns (one list per field), for plots."""
-        rows = self.history_rows(since_s)
-        return {c: [r[c] for r in rows] for c in HISTORY_COLUMNS}
+        return self.record.columns(since_s)
 
     def status(self) -> dict[str, Any]:
         """The JSON status, one shape for every host; strict JSON (no NaN)."""
-        d = self.controller.last
-        cfg = self.controller.config
-        reading = self.monitor.snapshot()
-        host = self._sample
-        lat = self._latency
-        reason = d.reason if d else ""
-        if self._tick_error is not None:
-            reason = f"control tick failed ({self._tick_error}); safe limits held"
-        doc: dict[str, Any] = {
-            "state": self.state,
-            "mode": cfg.mode,
-            "ready": reading.ok,
-            "binding": d.binding if d else None,
-            "reason": reason,
-            "emergency": d.emergency if d else False,
-            "limits": {
-                "enforced": _limits(d.enforced if d else None),
-                "proposed": _limits(d.proposed if d else None),
-            },
-            "power": {
-                "source": self.monitor.source.name,
-                "measured_w": d.power_w if d else None,
-                "raw_w": reading.raw_w,
-                "predicted_w": d.predicted_w if d else None,
-                "predicted_upper_w": d.predicted_upper_w if d else None,
-                "target_w": d.target_w if d else None,
-                "ceiling_w": d.ceiling_w if d else cfg.ceiling_w,
-                "capped": d.capped if d else False,
-                "energy_j": reading.energy_j,
-                "sensor_ok": reading.ok,
-                "sensor_error": reading.error,
-            },
-            "multipliers": d.multipliers if d else {},
-            "latency": {
-                "ttft_p95_s": lat.ttft_p95_s if lat else None,
-                "tpot_p95_s": lat.tpot_p95_s if lat else None,
-                "ttft_p95_by_class_s": lat.ttft_by_class_s if lat else {},
-                "samples": lat.samples if lat else 0,
-                "ttft_slo_s": cfg.ttft_slo_s,
-                "tpot_slo_s": cfg.tpot_slo_s,
-            },
-            "queue": {
-                "in_flight": host.in_flight if host else 0,
-                "kv_tokens_in_flight": host.kv_tokens if host else 0.0,
-                "waiting": host.queued if host else 0,
-            },
-            "model": dict(self._model),
-            "power_limit": self.actuator.status() if self.actuator is not None else None,
-            "shape": self.shape.status(),
-        }
-        extra = self.features.status_extra()
-        ceiling_status = getattr(self.ceiling, "status_extra", None)
-        if ceiling_status is not None:  # a fleet member's `fleet` section
-            extra = {**extra, **ceiling_status()}
-        for key, section in extra.items():
-            if isinstance(doc.get(key), dict) and isinstance(section, dict):
-                doc[key].update(section)
-            else:
-                doc[key] = section
-        result: dict[str, Any] = json_safe(doc)
-        return result
+        sections: list[StatusSection] = [self.features, *self.observers]
+        if self.ceiling is not None:
+            sections.append(self.ceiling)  # a fleet member's `fleet` section
+        return status_document(
+            state=self.state,
+            decision=self.controller.last,
+            config=self.controller.config,
+            reading=self.monitor.snapshot(),
+            source=self.monitor.source.name,
+            host=self._sample,
+            latency=self._latency,
+            tick_error=self._tick_error,
+            model=self._model,
+            power_limit=self.device.status() if self.device is not None else None,
+            sections=[s.status_extra() for s in sections],
+        )

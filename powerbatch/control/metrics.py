@@ -12,19 +12,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from powerbatch.control.controller import BINDINGS, CONSTRAINTS, Decision
 from powerbatch.control.latency import LatencySnapshot
-from powerbatch.shape.tracker import ShapeMetrics
-
-STATES: tuple[str, ...] = ("starting", "warmup", "enforce", "observe", "fail_closed")
+from powerbatch.control.types import CONSTRAINTS, Binding, Decision, State
 
 
 class ControlMetrics:
-    def __init__(
-        self, registry: CollectorRegistry | None = None, states: tuple[str, ...] = STATES
-    ) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
-        self.states = states
         self.power_w = Gauge(
             "powerbatch_power_watts",
             "Measured power the controller acted on: 1-second mean (or the source's own average)",
@@ -124,14 +118,13 @@ class ControlMetrics:
             "1 once a good power reading has been had and the sensor is good now",
             registry=r,
         )
-        self.shape = ShapeMetrics(r)  # powerbatch_shape_*: ramps, floor, plan (powerbatch.shape)
         for name in ("batch", "kv_tokens", "prefill_tok_s", "decode_tok_s"):
             self.feature.labels(name)
         for c in CONSTRAINTS:
             self.multiplier.labels(c)
-        for b in BINDINGS:
+        for b in Binding:
             self.binding.labels(b)
-        for s in states:
+        for s in State:
             self.state.labels(s).set(1.0 if s == "starting" else 0.0)
         self.sensor_ok.set(0.0)
         self.power_w.set(math.nan)
@@ -155,9 +148,9 @@ class ControlMetrics:
         self.limit_prefill.set(d.proposed.prefill_tok_s or 0.0)
         for c, v in d.multipliers.items():
             self.multiplier.labels(c).set(v)
-        for b in BINDINGS:
+        for b in Binding:
             self.binding.labels(b).set(1.0 if b == d.binding else 0.0)
-        for s in self.states:
+        for s in State:
             self.state.labels(s).set(1.0 if s == d.state else 0.0)
 
     def export_limiter(self, status: Mapping[str, Any]) -> None:

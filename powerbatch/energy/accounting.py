@@ -1,8 +1,8 @@
-"""The attribution run for one host on the control loop's tick: a `LimitsSink` that settles.
+"""The attribution run for one host on the control loop's tick: a `TickObserver` that settles.
 
-The proxy and the vLLM plugin both add one `EnergyAccounting` to their loop's sinks, so every
-tick (5 Hz) closes an interval: the meter's joules since the last one, split by the ledger.
-The proxy also settles when a request ends, so its answer carries all of its energy.
+The proxy and the vLLM plugin both add one `EnergyAccounting` to their loop's observers, so
+every tick (5 Hz) closes an interval: the meter's joules since the last one, split by the
+ledger. The proxy also settles when a request ends, so its answer carries all of its energy.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from powerbatch.control import Controller, Decision
+from powerbatch.control import Decision, Observation
 from powerbatch.energy.attribution import (
     DEFAULT_PREFILL_WEIGHT,
     EnergyLedger,
@@ -25,7 +25,8 @@ from powerbatch.energy.attribution import (
 )
 from powerbatch.energy.metrics import EnergyMetrics
 from powerbatch.energy.settings import EnergySettings
-from powerbatch.estimate import Features
+from powerbatch.estimate import Features, PowerModel
+from powerbatch.jsonsafe import json_safe
 from powerbatch.telemetry.monitor import PowerMonitor
 
 _LEARN_EVERY_S = 1.0
@@ -39,19 +40,18 @@ class EnergyAccounting:
     def __init__(
         self,
         monitor: PowerMonitor,
-        controller: Controller,
+        model: PowerModel,
         metrics: EnergyMetrics,
         settings: EnergySettings | None = None,
         *,
-        features: Callable[[], Features | None] = lambda: None,
         pull: Callable[[EnergyAccounting], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings or EnergySettings()
         self.monitor = monitor
-        self.controller = controller
+        self.model = model
         self.metrics = metrics
-        self.features = features  # the operating point the weight is learned at
+        self.features: Features | None = None  # the last tick's load: where the weight is learned
         self.pull = pull  # brings the host's work in before a settle (the plugin's steps)
         self.clock = clock
         self.meter = EnergyMeter()
@@ -102,11 +102,12 @@ class EnergyAccounting:
         self.metrics.charge(by_labels, split.idle_j)
         return split
 
-    def apply(self, decision: Decision) -> None:
+    def observe(self, obs: Observation, decision: Decision) -> None:
         self.settle()
         if decision.t_s - self._learned_at >= _LEARN_EVERY_S:
             self._learned_at = decision.t_s
             self._learn()
+        self.features = obs.features
 
     def fail_safe(self) -> None:
         self.settle()  # the GPUs still draw power while the controller holds the safe batch
@@ -116,14 +117,14 @@ class EnergyAccounting:
     def _learn(self) -> None:
         """Idle power: the model at batch 0. The prefill weight: its marginal joules per prompt
         token over its joules per generated token at the operating point (docs/energy.md)."""
-        model = self.controller.model
+        model = self.model
         if model.n_samples < _MIN_SAMPLES:
             return
         if self.settings.idle_w is None:
             idle_w, _ = model.predict_one(Features(0.0, 0.0, 0.0, 0.0))
             if math.isfinite(idle_w) and idle_w >= 0:
                 self.idle_w, self.idle_source = idle_w, "learned"
-        f = self.features()
+        f = self.features
         if self.settings.prefill_weight is None and f is not None and f.batch > 0:
             base = f.with_prefill(0.0)
             p0, _ = model.predict_one(base)
@@ -135,6 +136,9 @@ class EnergyAccounting:
                 self.ledger.prefill_weight, self.weight_source = weight, "learned"
 
     # -- /status ------------------------------------------------------------------------------
+
+    def status_extra(self) -> dict[str, Any]:
+        return {"energy": json_safe(self.status())}
 
     def status(self) -> dict[str, Any]:
         """Totals since start by class (and tenant), idle, and the rule's parameters."""

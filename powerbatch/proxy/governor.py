@@ -16,20 +16,14 @@ from typing import Any
 
 from powerbatch.admission import PRIORITIES, AdmissionQueue
 from powerbatch.admission.priority import DEFERRABLE
-from powerbatch.control import Controller, Decision, LatencySnapshot, LatencyWindow, Limits
-from powerbatch.control.loop import (
-    CeilingSource,
-    ControlLoop,
-    HostSample,
-    LimitsSink,
-    PlanSource,
-    TickRecord,
-    json_safe,
-)
+from powerbatch.control import Decision, LatencySnapshot, LatencyWindow, Limits
+from powerbatch.control.controller import Controller
+from powerbatch.control.loop import CeilingSource, ControlLoop, HostSample, LimitsSink, PlanSource
+from powerbatch.control.record import TickRecord
 from powerbatch.energy.accounting import EnergyAccounting
 from powerbatch.energy.settings import EnergySettings
-from powerbatch.estimate import Features
 from powerbatch.proxy.metrics import ProxyMetrics
+from powerbatch.shape.tracker import ShapeTracker
 from powerbatch.telemetry import PowerMonitor, UpstreamMetricsScraper, UpstreamSignals
 from powerbatch.telemetry.limiter import LimitActuator
 from powerbatch.telemetry.trace import TraceRow, TraceWriter
@@ -164,15 +158,14 @@ class Governor:
         self.features = ProxyFeatures(
             queue, metrics, self.latency, controller.config.interactive_classes
         )
-        self.energy = EnergyAccounting(
-            monitor, controller, metrics.energy, energy, features=self._last_features
-        )
+        self.energy = EnergyAccounting(monitor, controller.model, metrics.energy, energy)
         self.loop = ControlLoop(
             controller,
             monitor,
             self.features,
-            [AdmissionSink(queue, controller), self.energy, *extra_sinks],
+            [AdmissionSink(queue, controller), *extra_sinks],
             metrics,
+            observers=[ShapeTracker(controller.shape, metrics.registry, plan), self.energy],
             window_s=window_s,
             source_averages=source_averages,
             history_len=history_len,
@@ -182,12 +175,6 @@ class Governor:
             plan=plan,
         )
         self._scrape_task: asyncio.Task[None] | None = None
-
-    def _last_features(self) -> Features | None:
-        # Asked for while the loop is built too (a model restored with its window full).
-        loop: ControlLoop | None = getattr(self, "loop", None)
-        history = loop.history if loop is not None else None
-        return history[-1].features if history else None
 
     # What the request path touches: kept as attributes so a request costs no indirection.
     @property
@@ -234,9 +221,7 @@ class Governor:
         return self.loop.tick(t_s)
 
     def status(self) -> dict[str, Any]:
-        doc = self.loop.status()
-        doc["energy"] = json_safe(self.energy.status())
-        return doc
+        return self.loop.status()
 
     def trace_rows(self) -> list[TraceRow]:
         return self.loop.trace_rows()

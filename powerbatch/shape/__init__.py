@@ -1,5 +1,4 @@
-"""Grid-friendly power: ramp limits, a floor, a receding-horizon plan, and what they measured."""
+"""Grid-friendly power: a receding-horizon plan, and what the shape laws measured.
 
-from powerbatch.shape.settings import ShapeSettings
-
-__all__ = ["ShapeSettings"]
+The ramp and floor laws themselves are the controller's (powerbatch.control.laws.ramp).
+"""

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from powerbatch.admission.queue import AdmissionQueue
+from powerbatch.control.config import ShapeSettings
 from powerbatch.control.controller import Controller
 from powerbatch.shape.planner import Plan, PlanInputs, forecast, solve
-from powerbatch.shape.settings import ShapeSettings
 
 log = logging.getLogger("powerbatch.shape")
 

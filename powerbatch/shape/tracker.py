@@ -1,18 +1,23 @@
 """What the shape laws achieved, second by second: ramp violations, floor shortfall, plan vs meter.
 
 Counted on whole seconds of the 1-second power the controller acts on (the quantity a ramp
-limit is written in), so one slow ramp is one violation per second, not one per tick.
+limit is written in), so one slow ramp is one violation per second, not one per tick. The
+tracker watches the control loop's ticks (a `TickObserver`); both hosts add one.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from powerbatch.control.controller import DEFERRABLE_MODES, Decision
-from powerbatch.shape.settings import ShapeSettings
+from powerbatch.control.config import ShapeSettings
+from powerbatch.control.types import Decision, Deferrable, Observation
+
+
+class PlanSummary(Protocol):
+    def summary(self) -> dict[str, Any]: ...
 
 
 class ShapeMetrics:
@@ -61,7 +66,7 @@ class ShapeMetrics:
             self.largest_ramp.labels(d).set(0.0)
         for k in ("planned", "measured"):
             self.power_w.labels(k).set(math.nan)
-        for m in DEFERRABLE_MODES:
+        for m in Deferrable:
             self.deferrable.labels(m).set(1.0 if m == "default" else 0.0)
         self.plan_solve_s.set(math.nan)
 
@@ -69,9 +74,15 @@ class ShapeMetrics:
 class ShapeTracker:
     """Per-second accounting of the shape laws, for /status and the metrics."""
 
-    def __init__(self, settings: ShapeSettings, metrics: ShapeMetrics | None = None) -> None:
+    def __init__(
+        self,
+        settings: ShapeSettings,
+        registry: CollectorRegistry | None = None,
+        plan: PlanSummary | None = None,
+    ) -> None:
         self.settings = settings
-        self.metrics = metrics
+        self.metrics = ShapeMetrics(registry) if registry is not None else None
+        self.plan_source = plan
         self._second: int | None = None
         self._last_w: float | None = None
         self.violations = {"up": 0, "down": 0}
@@ -83,12 +94,15 @@ class ShapeTracker:
         self.deferrable = "default"
         self.plan: dict[str, Any] | None = None
 
-    def observe(self, d: Decision, plan_w: float | None, queued_deferrable: int) -> None:
+    def observe(self, obs: Observation, d: Decision) -> None:
+        if self.plan_source is not None:
+            self.note_plan(self.plan_source.summary())
+        plan_w, queued_deferrable = obs.plan_w, obs.queued_deferrable
         self.planned_w, self.deferrable = plan_w, d.deferrable
         m = self.metrics
         if m is not None:
             m.power_w.labels("planned").set(math.nan if plan_w is None else plan_w)
-            for mode in DEFERRABLE_MODES:
+            for mode in Deferrable:
                 m.deferrable.labels(mode).set(1.0 if mode == d.deferrable else 0.0)
         second = math.floor(d.t_s)
         if second == self._second:
@@ -129,6 +143,12 @@ class ShapeTracker:
         self.plan = summary
         if self.metrics is not None and summary.get("solve_s") is not None:
             self.metrics.plan_solve_s.set(summary["solve_s"])
+
+    def fail_safe(self) -> None:
+        """Nothing to do: a failed tick has no second to count."""
+
+    def status_extra(self) -> dict[str, Any]:
+        return {"shape": self.status()}
 
     def status(self) -> dict[str, Any]:
         sh = self.settings

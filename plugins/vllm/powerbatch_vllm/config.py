@@ -15,13 +15,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from powerbatch.control import ControlConfig, prior_max_w
-from powerbatch.control.config import TraceSettings
+from powerbatch.control.config import ShapeSettings, TraceSettings
 from powerbatch.energy.settings import EnergySettings
 from powerbatch.errors import ConfigError
 from powerbatch.fleet.settings import FleetSettings
 from powerbatch.settings import Surface, check_bounds, load, setting
 from powerbatch.settings import reference_markdown as _reference
-from powerbatch.shape.settings import ShapeSettings
 from powerbatch.telemetry.settings import LimiterSettings, PowerSettings
 
 ENV_PREFIX = "POWERBATCH_VLLM_"

@@ -18,12 +18,15 @@ import math
 import threading
 from typing import Any
 
-from powerbatch.control import ControlConfig, Controller, Decision, LatencySnapshot
-from powerbatch.control.loop import ControlLoop, HostSample, json_safe, open_trace
+from powerbatch.control import ControlConfig, Decision, LatencySnapshot
+from powerbatch.control.controller import Controller
+from powerbatch.control.loop import ControlLoop, HostSample
+from powerbatch.control.record import open_trace
 from powerbatch.energy.accounting import EnergyAccounting
 from powerbatch.errors import ConfigError
 from powerbatch.fleet import attach, join
 from powerbatch.shape.runner import plan_runner
+from powerbatch.shape.tracker import ShapeTracker
 from powerbatch.telemetry import (
     HampelFilter,
     NvmlPowerSource,
@@ -250,12 +253,16 @@ class ControlThread:
         # A fleet member's Redis task runs on this thread's loop, started by the first tick.
         member = join(cfg.fleet, cfg.engine.metrics_port + dp_rank)
         self.energy = _energy_accounting(self, model_name)
+        # The proxy's planner, fed from the engine's own arrivals, completions and queue;
+        # it solves in a worker thread of this thread's loop, never in `schedule()`.
+        plan = plan_runner(cfg.shape, self.controller, stats.queue_counts)
         self.loop = ControlLoop(
             self.controller,
             self.monitor,
             self.features,
-            [self.sink, self.energy],
+            [self.sink],
             m,
+            observers=[ShapeTracker(cfg.shape, m.registry, plan), self.energy],
             source_averages=averaged,
             history_len=history_len,
             trace=open_trace(cfg.trace),
@@ -263,9 +270,7 @@ class ControlThread:
             # own event loop, which owns its HTTP session.
             actuator=make_actuator(cfg.limiter, cfg.power.gpu_indices()),
             ceiling=member,
-            # The proxy's planner, fed from the engine's own arrivals, completions and queue;
-            # it solves in a worker thread of this thread's loop, never in `schedule()`.
-            plan=plan_runner(cfg.shape, self.controller, stats.queue_counts),
+            plan=plan,
         )
         attach(member, self.loop)
         self.dp_rank = dp_rank
@@ -343,14 +348,12 @@ class ControlThread:
         return self.meter.text(gpu, name)
 
     def status(self) -> dict[str, Any]:
-        doc = self.loop.status()
-        doc["energy"] = json_safe(self.energy.status())
-        return doc
+        return self.loop.status()
 
 
 def _energy_accounting(ct: ControlThread, model_name: str) -> EnergyAccounting:
     """Energy per request from the engine's steps (powerbatch_vllm.energy), settled each tick."""
     engine = EngineEnergy(ct.stats, model_name or "unknown")
     return EnergyAccounting(
-        ct.monitor, ct.controller, ct.metrics.energy, ct.cfg.energy, pull=engine.pull
+        ct.monitor, ct.controller.model, ct.metrics.energy, ct.cfg.energy, pull=engine.pull
     )

@@ -1,0 +1,116 @@
+"""What the controller reads and writes each tick: plain data and the enums that name its states.
+
+Nothing here imports numpy, so the admission queue (which only enforces `Limits`) stays light.
+The enums are `StrEnum`s: they print, compare and serialise as the strings `/status`, the
+metrics and the trace have always carried.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from powerbatch.control.latency import LatencySnapshot
+    from powerbatch.estimate import Features
+
+
+class State(StrEnum):
+    """The controller's state; `STARTING` is the loop's until its first tick."""
+
+    STARTING = "starting"
+    WARMUP = "warmup"
+    ENFORCE = "enforce"
+    OBSERVE = "observe"
+    FAIL_CLOSED = "fail_closed"
+
+
+class Binding(StrEnum):
+    """The constraint that sets the batch (or holds work back) this tick."""
+
+    NONE = "none"
+    POWER = "power"
+    LATENCY = "latency"
+    KV = "kv"
+    MAX_BATCH = "max_batch"
+    DEMAND = "demand"
+    SENSOR = "sensor"
+    WARMUP = "warmup"
+    RAMP = "ramp"
+
+
+class Deferrable(StrEnum):
+    """What admission does with deferrable (low-class) work: its usual turn, hold or release."""
+
+    DEFAULT = "default"
+    HOLD = "hold"
+    RELEASE = "release"
+
+
+CONSTRAINTS: tuple[str, ...] = ("power", "latency", "kv")
+"""The constraints priced by a Lagrange multiplier, in the order `/status` lists them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What admission enforces. `prefill_tok_s` None means prefill is not paced."""
+
+    max_requests: int
+    max_kv_tokens: int
+    prefill_tok_s: float | None = None
+    # Slots beyond max_requests that only the most urgent class may take: under a device limit
+    # the cap holds the ceiling, so interactive work need not queue behind batch work.
+    reserve_requests: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the controller sees each tick; the caller smooths features like the power reading."""
+
+    t_s: float
+    power_w: float | None  # measured 1-second power; None when there is no trustworthy reading
+    sensor_ok: bool
+    features: Features
+    in_flight: int
+    queued: int
+    sensor_error: str | None = None
+    latency: LatencySnapshot | None = None
+    kv_cache_usage: float | None = None  # upstream's, 0..1
+    ceiling_w: float | None = None  # this tick's ceiling (a fleet share); None: the configured
+    power_limit_w: float | None = None  # device limit in force; None: no limiter, or degraded
+    queued_deferrable: int = 0  # low-class requests waiting (they can fill a floor)
+    plan_w: float | None = None  # the shape planner's power for this second; None: no plan
+    # The features over the window `power_w` measured, where the meter lags the ticks (an
+    # exporter that collects once a second); None: `features`. `reading_weight`: the samples
+    # the reading stands for when learned (see window.ReadingAligner); 0 for a held value
+    # already learned, which learned again against newer features would pair the watts of one
+    # second with the load of another.
+    reading_features: Features | None = None
+    reading_weight: float = 1.0
+
+    @property
+    def seen(self) -> Features:
+        """The load the power reading measured."""
+        return self.reading_features or self.features
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    t_s: float
+    enforced: Limits  # what admission applies (in observe mode: the configured maxima)
+    proposed: Limits  # what the controller would enforce
+    state: State
+    binding: Binding
+    power_w: float | None
+    predicted_w: float  # model mean at the proposed batch
+    predicted_upper_w: float  # upper bound at the proposed batch
+    target_w: float
+    multipliers: dict[str, float] = field(default_factory=dict)
+    emergency: bool = False
+    reason: str = ""
+    ceiling_w: float = math.nan  # the ceiling this decision held
+    power_limit_w: float | None = None  # the device limit to set (a limiter applies it)
+    capped: bool = False  # a device limit in force held the ceiling this tick
+    deferrable: Deferrable = Deferrable.DEFAULT  # what admission does with low-class work
