@@ -13,7 +13,58 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from powerbatch.control.latency import LatencySnapshot
-from powerbatch.control.types import CONSTRAINTS, Binding, Decision, State
+from powerbatch.control.types import CONSTRAINTS, Binding, Decision, Deferrable, State
+
+
+class ShapeMetrics:
+    """`powerbatch_shape_*`: what the ramp and floor laws achieved (powerbatch.shape.tracker)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.ramp_violations = Counter(
+            "powerbatch_shape_ramp_violations",
+            "Seconds whose 1-second power moved more than the ramp limit, by direction",
+            ["direction"],
+            registry=r,
+        )
+        self.largest_ramp = Gauge(
+            "powerbatch_shape_largest_ramp_watts_per_second",
+            "Largest change of 1-second power in one second since start, by direction",
+            ["direction"],
+            registry=r,
+        )
+        self.floor_shortfall_w = Gauge(
+            "powerbatch_shape_floor_shortfall_watts",
+            "Floor less 1-second power while deferrable work waits (0 otherwise)",
+            registry=r,
+        )
+        self.floor_shortfall_s = Counter(
+            "powerbatch_shape_floor_shortfall_seconds",
+            "Seconds under the floor while deferrable work waited",
+            registry=r,
+        )
+        self.power_w = Gauge(
+            "powerbatch_shape_power_watts",
+            "Planned and measured 1-second power",
+            ["kind"],
+            registry=r,
+        )
+        self.plan_solve_s = Gauge(
+            "powerbatch_shape_plan_solve_seconds", "Time the last plan took to solve", registry=r
+        )
+        self.deferrable = Gauge(
+            "powerbatch_shape_deferrable_mode",
+            "1 for what admission does with deferrable work now",
+            ["mode"],
+            registry=r,
+        )
+        for d in ("up", "down"):
+            self.ramp_violations.labels(d)
+            self.largest_ramp.labels(d).set(0.0)
+        for k in ("planned", "measured"):
+            self.power_w.labels(k).set(math.nan)
+        for m in Deferrable:
+            self.deferrable.labels(m).set(1.0 if m == "default" else 0.0)
+        self.plan_solve_s.set(math.nan)
 
 
 class ControlMetrics:
@@ -113,6 +164,7 @@ class ControlMetrics:
         self.tick_errors = Counter(
             "powerbatch_control_tick_errors", "Ticks that failed (safe limits held)", registry=r
         )
+        self.shape = ShapeMetrics(r)
         self.ready = Gauge(
             "powerbatch_ready",
             "1 once a good power reading has been had and the sensor is good now",

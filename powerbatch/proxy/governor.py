@@ -165,7 +165,7 @@ class Governor:
             self.features,
             [AdmissionSink(queue, controller), *extra_sinks],
             metrics,
-            observers=[ShapeTracker(controller.shape, metrics.registry, plan), self.energy],
+            observers=[ShapeTracker(controller.shape, metrics.shape, plan), self.energy],
             window_s=window_s,
             source_averages=source_averages,
             history_len=history_len,

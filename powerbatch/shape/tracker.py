@@ -10,65 +10,13 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
-
 from powerbatch.control.config import ShapeSettings
+from powerbatch.control.metrics import ShapeMetrics
 from powerbatch.control.types import Decision, Deferrable, Observation
 
 
 class PlanSummary(Protocol):
     def summary(self) -> dict[str, Any]: ...
-
-
-class ShapeMetrics:
-    """`powerbatch_shape_*`, on the controller's registry."""
-
-    def __init__(self, r: CollectorRegistry) -> None:
-        self.ramp_violations = Counter(
-            "powerbatch_shape_ramp_violations",
-            "Seconds whose 1-second power moved more than the ramp limit, by direction",
-            ["direction"],
-            registry=r,
-        )
-        self.largest_ramp = Gauge(
-            "powerbatch_shape_largest_ramp_watts_per_second",
-            "Largest change of 1-second power in one second since start, by direction",
-            ["direction"],
-            registry=r,
-        )
-        self.floor_shortfall_w = Gauge(
-            "powerbatch_shape_floor_shortfall_watts",
-            "Floor less 1-second power while deferrable work waits (0 otherwise)",
-            registry=r,
-        )
-        self.floor_shortfall_s = Counter(
-            "powerbatch_shape_floor_shortfall_seconds",
-            "Seconds under the floor while deferrable work waited",
-            registry=r,
-        )
-        self.power_w = Gauge(
-            "powerbatch_shape_power_watts",
-            "Planned and measured 1-second power",
-            ["kind"],
-            registry=r,
-        )
-        self.plan_solve_s = Gauge(
-            "powerbatch_shape_plan_solve_seconds", "Time the last plan took to solve", registry=r
-        )
-        self.deferrable = Gauge(
-            "powerbatch_shape_deferrable_mode",
-            "1 for what admission does with deferrable work now",
-            ["mode"],
-            registry=r,
-        )
-        for d in ("up", "down"):
-            self.ramp_violations.labels(d)
-            self.largest_ramp.labels(d).set(0.0)
-        for k in ("planned", "measured"):
-            self.power_w.labels(k).set(math.nan)
-        for m in Deferrable:
-            self.deferrable.labels(m).set(1.0 if m == "default" else 0.0)
-        self.plan_solve_s.set(math.nan)
 
 
 class ShapeTracker:
@@ -77,11 +25,11 @@ class ShapeTracker:
     def __init__(
         self,
         settings: ShapeSettings,
-        registry: CollectorRegistry | None = None,
+        metrics: ShapeMetrics | None = None,
         plan: PlanSummary | None = None,
     ) -> None:
         self.settings = settings
-        self.metrics = ShapeMetrics(registry) if registry is not None else None
+        self.metrics = metrics
         self.plan_source = plan
         self._second: int | None = None
         self._last_w: float | None = None

@@ -262,7 +262,7 @@ class ControlThread:
             self.features,
             [self.sink],
             m,
-            observers=[ShapeTracker(cfg.shape, m.registry, plan), self.energy],
+            observers=[ShapeTracker(cfg.shape, m.shape, plan), self.energy],
             source_averages=averaged,
             history_len=history_len,
             trace=open_trace(cfg.trace),
