@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -20,42 +21,35 @@ class ShapeMetrics:
     """`powerbatch_shape_*`: what the ramp and floor laws achieved (powerbatch.shape.tracker)."""
 
     def __init__(self, r: CollectorRegistry) -> None:
-        self.ramp_violations = Counter(
+        gauge, counter = partial(Gauge, registry=r), partial(Counter, registry=r)
+        self.ramp_violations = counter(
             "powerbatch_shape_ramp_violations",
             "Seconds whose 1-second power moved more than the ramp limit, by direction",
             ["direction"],
-            registry=r,
         )
-        self.largest_ramp = Gauge(
+        self.largest_ramp = gauge(
             "powerbatch_shape_largest_ramp_watts_per_second",
             "Largest change of 1-second power in one second since start, by direction",
             ["direction"],
-            registry=r,
         )
-        self.floor_shortfall_w = Gauge(
+        self.floor_shortfall_w = gauge(
             "powerbatch_shape_floor_shortfall_watts",
             "Floor less 1-second power while deferrable work waits (0 otherwise)",
-            registry=r,
         )
-        self.floor_shortfall_s = Counter(
+        self.floor_shortfall_s = counter(
             "powerbatch_shape_floor_shortfall_seconds",
             "Seconds under the floor while deferrable work waited",
-            registry=r,
         )
-        self.power_w = Gauge(
-            "powerbatch_shape_power_watts",
-            "Planned and measured 1-second power",
-            ["kind"],
-            registry=r,
+        self.power_w = gauge(
+            "powerbatch_shape_power_watts", "Planned and measured 1-second power", ["kind"]
         )
-        self.plan_solve_s = Gauge(
-            "powerbatch_shape_plan_solve_seconds", "Time the last plan took to solve", registry=r
+        self.plan_solve_s = gauge(
+            "powerbatch_shape_plan_solve_seconds", "Time the last plan took to solve"
         )
-        self.deferrable = Gauge(
+        self.deferrable = gauge(
             "powerbatch_shape_deferrable_mode",
             "1 for what admission does with deferrable work now",
             ["mode"],
-            registry=r,
         )
         for d in ("up", "down"):
             self.ramp_violations.labels(d)
@@ -70,105 +64,79 @@ class ShapeMetrics:
 class ControlMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
-        self.power_w = Gauge(
+        gauge, counter = partial(Gauge, registry=r), partial(Counter, registry=r)
+        self.power_w = gauge(
             "powerbatch_power_watts",
             "Measured power the controller acted on: 1-second mean (or the source's own average)",
-            registry=r,
         )
-        self.power_raw_w = Gauge(
+        self.power_raw_w = gauge(
             "powerbatch_power_raw_watts",
             "Latest power sample as the source reported it, unfiltered",
-            registry=r,
         )
-        self.predicted_w = Gauge(
-            "powerbatch_power_predicted_watts", "Model mean at the chosen batch", registry=r
+        self.predicted_w = gauge(
+            "powerbatch_power_predicted_watts", "Model mean at the chosen batch"
         )
-        self.predicted_upper_w = Gauge(
-            "powerbatch_power_predicted_upper_watts",
-            "Upper prediction bound at the chosen batch",
-            registry=r,
+        self.predicted_upper_w = gauge(
+            "powerbatch_power_predicted_upper_watts", "Upper prediction bound at the chosen batch"
         )
-        self.ceiling_w = Gauge(
-            "powerbatch_power_ceiling_watts",
-            "Hard ceiling in force (a fleet share moves it)",
-            registry=r,
+        self.ceiling_w = gauge(
+            "powerbatch_power_ceiling_watts", "Hard ceiling in force (a fleet share moves it)"
         )
-        self.power_limit_w = Gauge(
+        self.power_limit_w = gauge(
             "powerbatch_device_power_limit_watts",
             "The GPUs' power limit, summed: what the controller asked for, and what is in force",
             ["kind"],
-            registry=r,
         )
-        self.power_limit_degraded = Gauge(
+        self.power_limit_degraded = gauge(
             "powerbatch_device_power_limit_degraded",
             "1 while the power limiter fails: admission alone holds the ceiling",
-            registry=r,
         )
-        self.power_limit_changes = Counter(
-            "powerbatch_device_power_limit_changes",
-            "Device power limit changes applied",
-            registry=r,
+        self.power_limit_changes = counter(
+            "powerbatch_device_power_limit_changes", "Device power limit changes applied"
         )
-        self.power_limit_failures = Counter(
+        self.power_limit_failures = counter(
             "powerbatch_device_power_limit_failures",
             "Device power limit sets or reads that failed or timed out",
-            registry=r,
         )
         self._limiter_counts = (0, 0)
-        self.target_w = Gauge(
-            "powerbatch_power_target_watts", "Ceiling less margin and multiplier", registry=r
+        self.target_w = gauge("powerbatch_power_target_watts", "Ceiling less margin and multiplier")
+        self.energy_j = gauge("powerbatch_energy_joules", "The sensor's cumulative energy counter")
+        self.sensor_ok = gauge("powerbatch_sensor_ok", "1 while the power reading is trusted")
+        self.limit_requests = gauge(
+            "powerbatch_limit_requests", "Batch limit (requests in flight)", ["kind"]
         )
-        self.energy_j = Gauge(
-            "powerbatch_energy_joules", "The sensor's cumulative energy counter", registry=r
+        self.limit_kv_tokens = gauge(
+            "powerbatch_limit_kv_tokens", "KV tokens in flight limit", ["kind"]
         )
-        self.sensor_ok = Gauge(
-            "powerbatch_sensor_ok", "1 while the power reading is trusted", registry=r
+        self.limit_prefill = gauge(
+            "powerbatch_limit_prefill_tokens_per_second", "Prefill pace (0 when not paced)"
         )
-        self.limit_requests = Gauge(
-            "powerbatch_limit_requests", "Batch limit (requests in flight)", ["kind"], registry=r
+        self.multiplier = gauge(
+            "powerbatch_multiplier", "Lagrange multiplier per constraint", ["constraint"]
         )
-        self.limit_kv_tokens = Gauge(
-            "powerbatch_limit_kv_tokens", "KV tokens in flight limit", ["kind"], registry=r
-        )
-        self.limit_prefill = Gauge(
-            "powerbatch_limit_prefill_tokens_per_second",
-            "Prefill pace (0 when not paced)",
-            registry=r,
-        )
-        self.multiplier = Gauge(
-            "powerbatch_multiplier",
-            "Lagrange multiplier per constraint",
-            ["constraint"],
-            registry=r,
-        )
-        self.binding = Gauge(
+        self.binding = gauge(
             "powerbatch_binding_constraint",
             "1 for the constraint setting the batch",
             ["constraint"],
-            registry=r,
         )
-        self.state = Gauge(
-            "powerbatch_controller_state", "1 for the controller's state", ["state"], registry=r
+        self.state = gauge("powerbatch_controller_state", "1 for the controller's state", ["state"])
+        self.latency_p95_s = gauge(
+            "powerbatch_latency_p95_seconds", "Sliding-window p95", ["metric"]
         )
-        self.latency_p95_s = Gauge(
-            "powerbatch_latency_p95_seconds", "Sliding-window p95", ["metric"], registry=r
-        )
-        self.slo_s = Gauge("powerbatch_slo_seconds", "Configured SLO", ["metric"], registry=r)
-        self.feature = Gauge(
+        self.slo_s = gauge("powerbatch_slo_seconds", "Configured SLO", ["metric"])
+        self.feature = gauge(
             "powerbatch_feature",
             "What the power model regresses on, over the last second",
             ["name"],
-            registry=r,
         )
-        self.ticks = Counter("powerbatch_control_ticks", "Control decisions made", registry=r)
-        self.tick_errors = Counter(
-            "powerbatch_control_tick_errors", "Ticks that failed (safe limits held)", registry=r
+        self.ticks = counter("powerbatch_control_ticks", "Control decisions made")
+        self.tick_errors = counter(
+            "powerbatch_control_tick_errors", "Ticks that failed (safe limits held)"
         )
         self.shape = ShapeMetrics(r)
-        self.ready = Gauge(
+        self.ready = gauge(
             "powerbatch_ready",
             "1 once a good power reading has been had and the sensor is good now",
-            registry=r,
         )
         for name in ("batch", "kv_tokens", "prefill_tok_s", "decode_tok_s"):
             self.feature.labels(name)

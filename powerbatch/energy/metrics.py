@@ -7,6 +7,7 @@ rate(powerbatch_request_energy_joules_total[5m])
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -17,23 +18,20 @@ TOKEN_KINDS = ("prompt", "completion")
 
 class EnergyMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        r = registry
-        self.request_energy_j = Counter(
+        counter = partial(Counter, registry=registry)
+        self.request_energy_j = counter(
             "powerbatch_request_energy_joules",
             "Metered energy above idle, attributed to requests by their work (docs/energy.md)",
             ["priority", "tenant", "model"],
-            registry=r,
         )
-        self.request_tokens = Counter(
+        self.request_tokens = counter(
             "powerbatch_request_tokens",
             "Tokens of requests answered, by kind (prompt, completion)",
             ["kind", "priority", "tenant", "model"],
-            registry=r,
         )
-        self.idle_energy_j = Counter(
+        self.idle_energy_j = counter(
             "powerbatch_idle_energy_joules",
             "Metered energy at idle power (or with nothing in flight): charged to no request",
-            registry=r,
         )
 
     def seed(self, labels: Iterable[Labels]) -> None:
