@@ -223,3 +223,10 @@ def test_an_upstream_without_power_metrics_refuses_to_start() -> None:
     message = asyncio.run(go())
     assert "DCGM_FI_DEV_POWER_USAGE" in message
     assert "--power-source nvml" in message and "--dcgm-url" in message
+
+
+@pytest.mark.parametrize("command", ["bench", "fleet-bench"])
+def test_the_benches_count_slos_by_the_controllers_defaults(command: str) -> None:
+    args = build_parser().parse_args([command])
+    control = serve_settings().control
+    assert (args.ttft_slo_s, args.tpot_slo_s) == (control.ttft_slo_s, control.tpot_slo_s)
