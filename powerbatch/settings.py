@@ -34,8 +34,8 @@ from powerbatch.errors import ConfigError
 
 T = TypeVar("T")
 _META = "powerbatch.setting"
-# A section whose class sets `settings_advanced = True` (the controller's gains) is all tuning:
-# wherever it nests, its settings are advanced (below).
+# A section whose class sets `settings_advanced = True` (the controller's gains) is all tuning,
+# wherever it nests: its settings are advanced (`Field.advanced`).
 ADVANCED = "settings_advanced"
 
 
@@ -424,35 +424,25 @@ def add_arguments(parser: argparse.ArgumentParser, surface: Surface) -> None:
         "flags' names with underscores",
     )
     hidden: list[tuple[argparse.Action, str]] = []
-    sections = _ordered(surface)
-    advanced = [(title, fs) for title, fs in sections if fs[0].advanced]
-    if advanced:
-        n = sum(len(fs) for _, fs in advanced)
+    n_advanced = sum(f.advanced for f in surface.fields)
+    if n_advanced:
         parser.add_argument(
             "--help-all",
             action=_HelpAll,
             hidden=hidden,
-            help=f"show this help with the {n} advanced settings too (gains and tuning knobs, "
-            "in the groups marked Advanced) and exit",
+            help=f"show this help with the {n_advanced} advanced settings too (gains and tuning "
+            "knobs, in the groups marked Advanced) and exit",
         )
-    for title, fs in sections:
+    for title, fields in _ordered(surface):
         group = parser.add_argument_group(title)
-        for f in fs:
-            extra = [f"default: {f.default_text()}"]
-            if f.spec.bounds_text():
-                extra.append(f.spec.bounds_text())
-            extra.append(f"env {surface.env(f)}")
-            text = f"{f.spec.help} [{'; '.join(extra)}]".replace("%", "%%")
+        for f in fields:
+            extra = [f"default: {f.default_text()}", f.spec.bounds_text(), f"env {surface.env(f)}"]
+            text = f"{f.spec.help} [{'; '.join(filter(None, extra))}]".replace("%", "%%")
+            kw: dict[str, Any] = {"action": argparse.BooleanOptionalAction}
+            if _strip_none(f.kind) is not bool:
+                kw = {"metavar": "{" + ",".join(f.choices) + "}" if f.choices else f.name.upper()}
             shown = argparse.SUPPRESS if f.advanced else text
-            if _strip_none(f.kind) is bool:
-                action = group.add_argument(
-                    surface.flag(f), dest=f.name, action=argparse.BooleanOptionalAction, help=shown
-                )
-            else:
-                metavar = "{" + ",".join(f.choices) + "}" if f.choices else f.name.upper()
-                action = group.add_argument(
-                    surface.flag(f), dest=f.name, metavar=metavar, help=shown
-                )
+            action = group.add_argument(surface.flag(f), dest=f.name, help=shown, **kw)
             if f.advanced:
                 hidden.append((action, text))
     parser.set_defaults(**{f.name: None for f in surface.fields})
