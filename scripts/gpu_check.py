@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from powerbatch.cli.stats import pct
 from powerbatch.errors import PowerbatchError
-from powerbatch.load import pct
 from powerbatch.sim.gpu_model import (
     PROFILES,
     decode_power_w,

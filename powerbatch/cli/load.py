@@ -19,7 +19,8 @@ from typing import Any
 
 import aiohttp
 
-from powerbatch.load import PROFILES, LoadProfile, PlannedRequest, RequestResult, pct, run_load
+from powerbatch.cli.stats import pct
+from powerbatch.load import PROFILES, LoadProfile, PlannedRequest, RequestResult, run_load
 
 DEFAULT_DURATION_S = 60.0
 _MAX_HORIZON_S = 7 * 24 * 3600.0

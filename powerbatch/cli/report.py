@@ -13,7 +13,8 @@ from numpy.typing import NDArray
 
 from powerbatch.admission import PRIORITIES
 from powerbatch.cli.extras import require_cli_extra
-from powerbatch.load import LoadProfile, RequestResult, pct
+from powerbatch.cli.stats import pct
+from powerbatch.load import LoadProfile, RequestResult
 
 ABOVE_TOLERANCE_W = 0.01
 

@@ -1,6 +1,6 @@
 """Load: seeded OpenAI-API load for the demo, the comparison bench and tests."""
 
-from powerbatch.load.client import RequestResult, pct, run_load, send_one
+from powerbatch.load.client import RequestResult, run_load, send_one
 from powerbatch.load.profile import PROFILES, LoadProfile, Phase, PlannedRequest, bursty, steady
 
 __all__ = [
@@ -10,7 +10,6 @@ __all__ = [
     "PlannedRequest",
     "RequestResult",
     "bursty",
-    "pct",
     "run_load",
     "send_one",
     "steady",

@@ -6,22 +6,16 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
-import numpy as np
 
 from powerbatch.energy.usage import tail_energy_j
 from powerbatch.load.profile import PlannedRequest
 from powerbatch.sse import usage_completion_tokens
 
 _FIRST_TOKEN = re.compile(rb'"(?:content|text)":"[^"]')
-
-
-def pct(values: Sequence[float], q: float, scale: float = 1.0) -> float | None:
-    """The q-th percentile of `values` (numpy's, interpolated) times `scale`; None for none."""
-    return float(np.percentile(values, q)) * scale if len(values) else None
 
 
 @dataclass(frozen=True, slots=True)
