@@ -79,46 +79,14 @@ SERVE = Surface(
         "POWERBATCH_DASHBOARDS",
     ),
     other_prefixes=("POWERBATCH_VLLM_",),
+    # What an operator sets, and `serve --help` shows; the rest is under --help-all.
     operator=frozenset(
         (
-            # the ceiling, the mode and the objectives
-            "ceiling_w",
-            "margin_w",
-            "mode",
-            "max_batch",
-            "ttft_slo_s",
-            "tpot_slo_s",
-            "interactive_classes",
-            # where watts come from and what sets the GPUs' limit
-            "power_source",
-            "gpus",
-            "dcgm_url",
-            "replay_trace",
-            "power_limiter",
-            "zeusd_url",
-            "zeusd_token",
-            "hardware_backstop",
-            # the upstream, the listeners and the clients' keys
-            "upstream",
-            "host",
-            "port",
-            "admin_port",
-            "api_keys",
-            "api_keys_file",
-            # how much waits, and for the grid
-            "max_queue_len",
-            "max_wait_s",
-            "valley_fill",
-            "ramp_up_w_per_s",
-            "ramp_down_w_per_s",
-            "floor_w",
-            # the fleet's budget
-            "fleet_budget",
-            "fleet_budget_w",
-            "fleet_redis_url",
-            "fleet_member_id",
-            "record_trace",
-            "log_level",
-        )
+            "ceiling_w margin_w mode max_batch ttft_slo_s tpot_slo_s interactive_classes "
+            "power_source gpus dcgm_url replay_trace power_limiter zeusd_url zeusd_token "
+            "hardware_backstop upstream host port admin_port api_keys api_keys_file "
+            "max_queue_len max_wait_s valley_fill ramp_up_w_per_s ramp_down_w_per_s floor_w "
+            "fleet_budget fleet_budget_w fleet_redis_url fleet_member_id record_trace log_level"
+        ).split()
     ),
 )
