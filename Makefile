@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/powerbatch demo
 
+# Four workers on any machine: the suite mostly waits (on ticks, leases, subprocesses), about
+# 1 min of CPU in 4.3 min serial; on 4 workers it took 1.5 min on a busy 2-core machine.
 test: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 4
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -35,6 +35,9 @@ from powerbatch.errors import ConfigError
 
 T = TypeVar("T")
 _META = "powerbatch.setting"
+# A section whose class sets `settings_advanced = True` (the controller's gains) is all tuning,
+# wherever it nests: its settings are advanced (`Field.advanced`).
+ADVANCED = "settings_advanced"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +114,7 @@ class Field:
     default: Any  # MISSING: required
     spec: Spec
     section: str  # the first line of the owning dataclass's docstring
+    advanced: bool = False  # a tuning knob: `--help-all` and the reference's advanced tables
 
     @property
     def required(self) -> bool:
@@ -151,16 +155,17 @@ def _optional(kind: Any) -> bool:
     return _strip_none(kind) is not kind
 
 
-def _walk(cls: type, path: tuple[str, ...]) -> Iterator[Field]:
+def _walk(cls: type, path: tuple[str, ...], advanced: bool = False) -> Iterator[Field]:
     hints = typing.get_type_hints(cls)
     section = (cls.__doc__ or cls.__name__).strip().splitlines()[0]
+    advanced = advanced or getattr(cls, ADVANCED, False) is True
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         spec = f.metadata.get(_META)
         if spec is None and dataclasses.is_dataclass(kind):
-            yield from _walk(typing.cast(type, kind), (*path, f.name))  # a section
+            yield from _walk(typing.cast(type, kind), (*path, f.name), advanced)  # a section
         elif spec is not None:
-            yield Field(f.name, (*path, f.name), kind, f.default, spec, section)
+            yield Field(f.name, (*path, f.name), kind, f.default, spec, section, advanced)
 
 
 @dataclass(frozen=True)
@@ -176,24 +181,31 @@ class Surface:
     other_prefixes: tuple[str, ...] = ()  # e.g. another surface's prefix under ours
     # Defaults this surface sets differently from the dataclass: name -> (value, in words).
     defaults: Mapping[str, tuple[Any, str]] = dataclasses.field(default_factory=dict)
+    # The settings an operator sets: `--help` shows these, the rest are advanced (`--help-all`,
+    # and the reference's tables after them). None: all but the advanced sections'.
+    operator: frozenset[str] | None = None
 
     @property
     def fields(self) -> tuple[Field, ...]:
-        out = tuple(
-            dataclasses.replace(
-                f,
-                default=self.defaults[f.name][0],
-                spec=dataclasses.replace(f.spec, default_doc=self.defaults[f.name][1]),
-            )
-            if f.name in self.defaults
-            else f
-            for f in _walk(self.root, ())
-        )
+        out = tuple(self._field(f) for f in _walk(self.root, ()))
         names = [f.name for f in out]
         dupes = {n for n in names if names.count(n) > 1}
         if dupes:  # a programming error: names are the public interface
             raise TypeError(f"{self.root.__name__}: settings defined twice: {sorted(dupes)}")
+        stray = sorted((self.operator or frozenset()) - set(names))
+        if stray:
+            raise TypeError(f"{self.root.__name__}: operator settings that are none: {stray}")
         return out
+
+    def _field(self, f: Field) -> Field:
+        if f.name in self.defaults:
+            value, doc = self.defaults[f.name]
+            f = dataclasses.replace(
+                f, default=value, spec=dataclasses.replace(f.spec, default_doc=doc)
+            )
+        if self.operator is not None and f.name not in self.operator:
+            f = dataclasses.replace(f, advanced=True)
+        return f
 
     def flag(self, f: Field) -> str:
         return "--" + f.name.replace("_", "-")
@@ -385,55 +397,86 @@ def flat(obj: Any) -> dict[str, Any]:
 # -- generated surfaces: flags and the reference ---------------------------------------------
 
 
+def _ordered(surface: Surface) -> list[tuple[str, list[Field]]]:
+    """The surface's fields by section, an operator's first, then the advanced ones."""
+    out: dict[str, list[Field]] = {}
+    for f in sorted(surface.fields, key=lambda f: f.advanced):  # stable: the sections' order
+        out.setdefault(f"Advanced: {f.section}" if f.advanced else f.section, []).append(f)
+    return list(out.items())
+
+
+class _HelpAll(argparse.Action):
+    """`--help-all`: the help with the advanced settings shown too."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        self.hidden: list[tuple[argparse.Action, str]] = kwargs.pop("hidden")
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        for action, text in self.hidden:
+            action.help = text
+        parser.print_help()
+        parser.exit()
+
+
 def add_arguments(parser: argparse.ArgumentParser, surface: Surface) -> None:
-    """One flag per setting; values stay text until `load` parses them with the rest."""
+    """One flag per setting, grouped by section, the way vLLM groups its help.
+
+    `--help` shows an operator's settings; the advanced ones (gains, tuning knobs) are flags
+    like the rest but their help waits for `--help-all`. Values stay text until `load` parses
+    them with the rest.
+    """
     parser.add_argument(
         "--config",
         metavar="FILE",
         help=f"TOML file of these settings (env {surface.config_env}); its keys are the "
         "flags' names with underscores",
     )
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for f in surface.fields:
-        group = groups.get(f.section) or parser.add_argument_group(f.section)
-        groups[f.section] = group
-        extra = [f"default: {f.default_text()}"]
-        if f.spec.bounds_text():
-            extra.append(f.spec.bounds_text())
-        extra.append(f"env {surface.env(f)}")
-        text = f"{f.spec.help} [{'; '.join(extra)}]".replace("%", "%%")
-        if _strip_none(f.kind) is bool:
-            group.add_argument(
-                surface.flag(f), dest=f.name, action=argparse.BooleanOptionalAction, help=text
-            )
-        else:
-            metavar = "{" + ",".join(f.choices) + "}" if f.choices else f.name.upper()
-            group.add_argument(surface.flag(f), dest=f.name, metavar=metavar, help=text)
+    hidden: list[tuple[argparse.Action, str]] = []
+    n_advanced = sum(f.advanced for f in surface.fields)
+    if n_advanced:
+        parser.add_argument(
+            "--help-all",
+            action=_HelpAll,
+            hidden=hidden,
+            help=f"show this help with the {n_advanced} advanced settings too (gains and tuning "
+            "knobs, in the groups marked Advanced) and exit",
+        )
+    for title, fields in _ordered(surface):
+        group = parser.add_argument_group(title)
+        for f in fields:
+            extra = [f"default: {f.default_text()}", f.spec.bounds_text(), f"env {surface.env(f)}"]
+            text = f"{f.spec.help} [{'; '.join(filter(None, extra))}]".replace("%", "%%")
+            kw: dict[str, Any] = {"action": argparse.BooleanOptionalAction}
+            if _strip_none(f.kind) is not bool:
+                kw = {"metavar": "{" + ",".join(f.choices) + "}" if f.choices else f.name.upper()}
+            shown = argparse.SUPPRESS if f.advanced else text
+            action = group.add_argument(surface.flag(f), dest=f.name, help=shown, **kw)
+            if f.advanced:
+                hidden.append((action, text))
     parser.set_defaults(**{f.name: None for f in surface.fields})
 
 
 def reference_markdown(surface: Surface) -> str:
-    """Every setting of the surface as markdown tables, one per section."""
+    """Every setting of the surface as markdown tables, one per section, advanced ones last."""
     out: list[str] = []
     head = ["flag"] if surface.has_flags else []
     head += ["environment", "file key", "default", "meaning"]
-    section = None
-    for f in surface.fields:
-        if f.section != section:
-            section = f.section
-            if out:
-                out.append("")
-            out += [f"**{section}**", "", "| " + " | ".join(head) + " |"]
-            out.append("|" + "---|" * len(head))
-        meaning = f.spec.help
-        if f.choices:
-            meaning += f" (one of {' / '.join(f.choices)})"
-        if f.spec.bounds_text():
-            meaning += f"; {f.spec.bounds_text()}"
-        cells = [f"`{surface.flag(f)}`"] if surface.has_flags else []
-        default = f.default_text()
-        if not (f.required or f.spec.default_doc or f.default is None):
-            default = f"`{default}`"
-        cells += [f"`{surface.env(f)}`", f"`{f.name}`", default, meaning.replace("|", "\\|")]
-        out.append("| " + " | ".join(cells) + " |")
+    for title, fs in _ordered(surface):
+        if out:
+            out.append("")
+        out += [f"**{title}**", "", "| " + " | ".join(head) + " |"]
+        out.append("|" + "---|" * len(head))
+        for f in fs:
+            meaning = f.spec.help
+            if f.choices:
+                meaning += f" (one of {' / '.join(f.choices)})"
+            if f.spec.bounds_text():
+                meaning += f"; {f.spec.bounds_text()}"
+            cells = [f"`{surface.flag(f)}`"] if surface.has_flags else []
+            default = f.default_text()
+            if not (f.required or f.spec.default_doc or f.default is None):
+                default = f"`{default}`"
+            cells += [f"`{surface.env(f)}`", f"`{f.name}`", default, meaning.replace("|", "\\|")]
+            out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"

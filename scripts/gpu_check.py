@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from powerbatch.cli.stats import pct
 from powerbatch.errors import PowerbatchError
 from powerbatch.sim.gpu_model import (
     PROFILES,
@@ -137,10 +138,6 @@ def log(message: str) -> None:
     if _log_file is not None:
         _log_file.write(line + "\n")
         _log_file.flush()
-
-
-def _pct(values: Sequence[float], q: float, scale: float = 1.0) -> float | None:
-    return float(np.percentile(values, q)) * scale if len(values) else None
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -294,8 +291,8 @@ class Window:
         avg = [r.averaged_w for r in inside if r.averaged_w is not None]
         out.update(
             power_w_mean=_r(_mean(inst), 1),
-            power_w_p5=_r(_pct(inst, 5), 1),
-            power_w_p95=_r(_pct(inst, 95), 1),
+            power_w_p5=_r(pct(inst, 5), 1),
+            power_w_p95=_r(pct(inst, 95), 1),
             power_w_max=_r(max(inst), 1) if inst else None,
             power_avg_api_w_mean=_r(_mean(avg), 1),
             n_samples=len(inst),
@@ -327,9 +324,9 @@ def nvml_checks(
         times = meter.time_reads(source, reads)
         latency[name] = {
             "n": len(times),
-            "p50_us": _r(_pct(times, 50, 1e6), 1),
-            "p99_us": _r(_pct(times, 99, 1e6), 1),
-            "max_us": _r(_pct(times, 100, 1e6), 1),
+            "p50_us": _r(pct(times, 50, 1e6), 1),
+            "p99_us": _r(pct(times, 99, 1e6), 1),
+            "max_us": _r(pct(times, 100, 1e6), 1),
         }
     result["read_latency"] = latency
     result["instant_field_186_in_use"] = meter.instant.instant_power[0]
@@ -577,9 +574,9 @@ def _finish(
         seconds=_r(elapsed, 3),
         steps=len(steps_s),
         steps_per_s=_r(len(steps_s) / elapsed, 3),
-        step_ms_p50=_r(_pct(steps_s, 50, 1e3), 3),
-        step_ms_p95=_r(_pct(steps_s, 95, 1e3), 3),
-        issue_ms_p50=_r(_pct(issue_s, 50, 1e3), 3),
+        step_ms_p50=_r(pct(steps_s, 50, 1e3), 3),
+        step_ms_p95=_r(pct(steps_s, 95, 1e3), 3),
+        issue_ms_p50=_r(pct(issue_s, 50, 1e3), 3),
         tok_s=_r(tokens * len(steps_s) / elapsed, 1),
         **window.stats(),
         **_memory(ctx),

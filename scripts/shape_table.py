@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from powerbatch.shape.bench import markdown_table
+from powerbatch.cli.shape_bench import markdown_table
 
 if __name__ == "__main__":
     docs = [json.loads(Path(p).read_text()) for p in sys.argv[1:]]

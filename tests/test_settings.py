@@ -14,7 +14,7 @@ from powerbatch.cli.main import build_parser, main
 from powerbatch.cli.settings import SERVE, ServeSettings
 from powerbatch.errors import ConfigError
 from powerbatch.proxy.auth import ApiKeys
-from powerbatch.settings import load, parse_value
+from powerbatch.settings import load, parse_value, reference_markdown
 
 UP = "http://127.0.0.1:28401"
 
@@ -123,18 +123,39 @@ def test_parse_value_by_annotation() -> None:
         parse_value(int, True)
 
 
-def test_help_shows_defaults_bounds_env_and_the_config_variable() -> None:
+def _help(flag: str) -> str:
     out = subprocess.run(
-        [sys.executable, "-m", "powerbatch", "serve", "--help"],
+        [sys.executable, "-m", "powerbatch", "serve", flag],
         capture_output=True,
         text=True,
         check=True,
         env={"COLUMNS": "200", "PATH": ""},
     ).stdout
-    flat = " ".join(out.split())
-    assert "POWERBATCH_CONFIG" in flat
-    assert "default: 2% of the ceiling" in flat and "env POWERBATCH_MARGIN_W" in flat
-    assert "default: 5.0; > 0, <= 100; env POWERBATCH_TICK_HZ" in flat
+    return " ".join(out.split())
+
+
+def test_help_shows_an_operators_settings_and_help_all_the_advanced_ones() -> None:
+    short, full = _help("--help"), _help("--help-all")
+    for flat in (short, full):
+        assert "POWERBATCH_CONFIG" in flat and "--help-all" in flat
+        assert "default: 2% of the ceiling" in flat and "env POWERBATCH_MARGIN_W" in flat
+    tick = "default: 5.0; > 0, <= 100; env POWERBATCH_TICK_HZ"
+    assert tick not in short and "--power-gain" not in short and "--tick-hz" not in short
+    assert tick in full and "Advanced: Controller gains" in full
+    assert all(SERVE.flag(f) in full for f in SERVE.fields)
+    shown = [f for f in SERVE.fields if SERVE.flag(f) + " " in short]
+    assert 20 <= len(shown) <= 40, "--help should be an operator's page, not every knob"
+
+
+def test_advanced_settings_are_still_flags_and_documented_after_the_operators() -> None:
+    args = build_parser().parse_args(["serve", "--power-gain", "0.5", "--tick-hz", "10"])
+    s = load(SERVE, args=args, overrides={"upstream": UP, "ceiling_w": 550})
+    assert (s.control.gains.power_gain, s.control.tick_hz) == (0.5, 10.0)
+    gains = {f.name for f in SERVE.fields if f.path[:2] == ("control", "gains")}
+    assert gains and all(f.advanced for f in SERVE.fields if f.name in gains)
+    table = reference_markdown(SERVE)
+    first_advanced = table.index("**Advanced: ")
+    assert table.index("`--ceiling-w`") < first_advanced < table.index("`--power-gain`")
 
 
 def test_a_port_in_use_is_a_startup_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -202,3 +223,10 @@ def test_an_upstream_without_power_metrics_refuses_to_start() -> None:
     message = asyncio.run(go())
     assert "DCGM_FI_DEV_POWER_USAGE" in message
     assert "--power-source nvml" in message and "--dcgm-url" in message
+
+
+@pytest.mark.parametrize("command", ["bench", "fleet-bench"])
+def test_the_benches_count_slos_by_the_controllers_defaults(command: str) -> None:
+    args = build_parser().parse_args([command])
+    control = serve_settings().control
+    assert (args.ttft_slo_s, args.tpot_slo_s) == (control.ttft_slo_s, control.tpot_slo_s)

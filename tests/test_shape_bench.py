@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from powerbatch.cli.report import RunData
+from powerbatch.cli.shape_bench import figures, markdown_table
 from powerbatch.load import LoadProfile, Phase
-from powerbatch.shape.bench import figures, markdown_table
 
 
 def _run(power_w: list[float]) -> RunData:

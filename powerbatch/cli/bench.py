@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from powerbatch.cli import shape_bench
 from powerbatch.cli.extras import require_cli_extra
 from powerbatch.cli.report import RunData, plot_runs, plot_summary, summarize
-from powerbatch.cli.stack import Stack, add_dcgm_interval_argument
+from powerbatch.cli.shape_bench import SHAPE_ARMS
+from powerbatch.cli.stack import Stack, add_dcgm_interval_argument, add_slo_arguments
 from powerbatch.load import PROFILES, LoadProfile, run_load
-from powerbatch.shape import bench as shape_bench
-from powerbatch.shape.bench import SHAPE_ARMS
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -51,8 +51,7 @@ def add_common(p: argparse.ArgumentParser, duration_s: float) -> None:
         help="tokens per SSE event from the simulator (CPU budget)",
     )
     add_dcgm_interval_argument(p)
-    p.add_argument("--ttft-slo-s", type=float, default=2.0)
-    p.add_argument("--tpot-slo-s", type=float, default=0.1)
+    add_slo_arguments(p)
     p.add_argument("--valley-fill", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument(
         "--prefill-pacing",

@@ -41,7 +41,7 @@ import numpy as np
 
 from powerbatch.cli.process import Child, free_port
 from powerbatch.cli.report import power_1s
-from powerbatch.cli.stack import add_dcgm_interval_argument, exporter_metric
+from powerbatch.cli.stack import add_dcgm_interval_argument, add_slo_arguments, exporter_metric
 from powerbatch.load import LoadProfile, run_load
 from powerbatch.load.client import RequestResult
 from powerbatch.load.profile import Phase, PlannedRequest
@@ -63,8 +63,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--hot-rps", type=float, default=9.0)
     p.add_argument("--cold-rps", type=float, default=1.5)
     p.add_argument("--gpu", default="h100-llama8b", choices=sorted(PROFILES))
-    p.add_argument("--ttft-slo-s", type=float, default=2.0)
-    p.add_argument("--tpot-slo-s", type=float, default=0.1)
+    add_slo_arguments(p)
     p.add_argument("--lease-ttl-s", type=float, default=3.0)
     add_dcgm_interval_argument(p)
     p.add_argument(

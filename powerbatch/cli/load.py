@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
 
+from powerbatch.cli.stats import pct
 from powerbatch.load import PROFILES, LoadProfile, PlannedRequest, RequestResult, run_load
 
 DEFAULT_DURATION_S = 60.0
@@ -90,10 +90,6 @@ async def discover_model(target: str, api_key: str | None) -> str:
         return str((await r.json())["data"][0]["id"])
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    return float(np.percentile(xs, q)) if xs else None
-
-
 def summarize(results: list[RequestResult], wall_s: float, planned: int) -> dict[str, Any]:
     """What users saw: answers by kind, TTFT by class, output tokens per second.
 
@@ -108,8 +104,8 @@ def summarize(results: list[RequestResult], wall_s: float, planned: int) -> dict
         by_class[prio] = {
             "requests": sum(r.priority == prio for r in results),
             "ok": sum(r.priority == prio for r in ok),
-            "ttft_p50_s": _pct(ttft, 50),
-            "ttft_p95_s": _pct(ttft, 95),
+            "ttft_p50_s": pct(ttft, 50),
+            "ttft_p95_s": pct(ttft, 95),
         }
     return {
         "requests": len(results),

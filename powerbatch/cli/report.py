@@ -13,6 +13,7 @@ from numpy.typing import NDArray
 
 from powerbatch.admission import PRIORITIES
 from powerbatch.cli.extras import require_cli_extra
+from powerbatch.cli.stats import pct
 from powerbatch.load import LoadProfile, RequestResult
 
 ABOVE_TOLERANCE_W = 0.01
@@ -96,10 +97,6 @@ def binding_share(run: RunData) -> dict[str, float]:
     return {b: names.count(b) / len(names) for b in sorted(set(names))}
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
 def energy_by_class(ok: list[Any], energy_j: float) -> dict[str, Any]:
     """J per output token per class from the answers' attributed joules (usage.energy_j), and
     their sum as a share of the measured total: the rest is idle energy (docs/energy.md)."""
@@ -142,12 +139,12 @@ def summarize(run: RunData, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, A
         tpot = [t for r in ok if r.priority == p and (t := r.tpot_s) is not None]
         latency[p] = {
             "n": len(ttft),
-            "ttft_p50_s": _pct(ttft, 50),
-            "ttft_p95_s": _pct(ttft, 95),
-            "ttft_p99_s": _pct(ttft, 99),
-            "tpot_p50_s": _pct(tpot, 50),
-            "tpot_p95_s": _pct(tpot, 95),
-            "tpot_p99_s": _pct(tpot, 99),
+            "ttft_p50_s": pct(ttft, 50),
+            "ttft_p95_s": pct(ttft, 95),
+            "ttft_p99_s": pct(ttft, 99),
+            "tpot_p50_s": pct(tpot, 50),
+            "tpot_p95_s": pct(tpot, 95),
+            "tpot_p99_s": pct(tpot, 99),
         }
     statuses = [r.status for r in run.results]
     bound = power_bound_seconds(run, len(p1))

@@ -64,6 +64,21 @@ class ServeSettings:
             )
 
 
+# What an operator sets, and `serve --help` shows; the rest is under --help-all.
+# fmt: off
+OPERATOR = frozenset((
+    "ceiling_w", "margin_w", "mode", "max_batch", "ttft_slo_s", "tpot_slo_s",
+    "interactive_classes",
+    "power_source", "gpus", "dcgm_url", "replay_trace", "power_limiter", "zeusd_url",
+    "zeusd_token", "hardware_backstop",
+    "upstream", "host", "port", "admin_port", "api_keys", "api_keys_file",
+    "max_queue_len", "max_wait_s", "valley_fill",
+    "ramp_up_w_per_s", "ramp_down_w_per_s", "floor_w",
+    "fleet_budget", "fleet_budget_w", "fleet_redis_url", "fleet_member_id",
+    "record_trace", "log_level",
+))
+# fmt: on
+
 SERVE = Surface(
     ServeSettings,
     env_prefix="POWERBATCH_",
@@ -78,4 +93,5 @@ SERVE = Surface(
         "POWERBATCH_DASHBOARDS",
     ),
     other_prefixes=("POWERBATCH_VLLM_",),
+    operator=OPERATOR,
 )

@@ -7,10 +7,12 @@ and the load, every relay would delay the GPU's next step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from types import TracebackType
 
 from powerbatch.cli.process import Child, free_port
+from powerbatch.control.config import ControlConfig
 
 __all__ = ["Child", "Stack", "add_dcgm_interval_argument", "exporter_metric", "free_port"]
 
@@ -24,6 +26,14 @@ def add_dcgm_interval_argument(p: argparse.ArgumentParser) -> None:
         help="the simulated dcgm-exporter's collect interval; the proxy reads its 1-s mean "
         "(0: the instant power at every poll)",
     )
+
+
+def add_slo_arguments(p: argparse.ArgumentParser) -> None:
+    """`--ttft-slo-s` and `--tpot-slo-s` of a bench: the controller's own defaults, passed on to
+    the proxy and used to count answers within the SLO."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ControlConfig)}
+    for name in ("ttft_slo_s", "tpot_slo_s"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=defaults[name])
 
 
 def exporter_metric(dcgm_interval_s: float) -> str:

@@ -38,6 +38,8 @@ def prior_max_w(
 class Gains:
     """Controller gains (each tunes one law; defaults are what the replay tests were tuned on)"""
 
+    settings_advanced = True  # tuning, not an operator's: `serve --help-all` (powerbatch.settings)
+
     # Power. Growth: the batch grows by at most this share of itself per tick, so a wrong
     # probe costs at most one step of watts before the meter shows it.
     step_up_frac: float = setting(0.2, "largest growth of the batch per tick", gt=0, le=1)
