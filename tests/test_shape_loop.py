@@ -8,10 +8,12 @@ from typing import Any
 import pytest
 
 from powerbatch.admission import AdmissionQueue
+from powerbatch.cli.serve import queue_counts
 from powerbatch.control import ControlConfig, Controller, Limits
 from powerbatch.proxy import Governor, ProxyMetrics
 from powerbatch.shape import ShapeSettings
-from powerbatch.shape.runner import PlanRunner, QueueCounts, queue_counts
+from powerbatch.shape.planner import QueueCounts
+from powerbatch.shape.runner import PlanRunner
 from powerbatch.telemetry import PowerMonitor, PowerSample
 
 
