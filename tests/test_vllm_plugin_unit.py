@@ -39,7 +39,7 @@ from powerbatch.control import Limits
 from powerbatch.errors import ConfigError
 from powerbatch.settings import load
 from powerbatch.shape.runner import PlanRunner
-from powerbatch.telemetry import PrometheusPowerSource
+from powerbatch.telemetry import PrometheusPowerSource, factory
 from powerbatch.telemetry.monitor import PowerReading
 
 
@@ -549,10 +549,16 @@ def test_auto_means_the_same_to_serve_and_the_plugin(
     if gpus_seen:
         assert control.source_kind(plugin_config(ceiling_w=500)) == "nvml"
         return
+
     # The dcgm-exporter each host reads: the one named, else (serve) the upstream's /metrics.
+    def proxy_source(s: Any) -> Any:
+        return factory.make_power_source(
+            s.power, "dcgm", dcgm_url=serve.dcgm_url(s), limiter=s.limiter
+        )
+
     for src, at in (
-        (serve.make_power_source(told, "dcgm"), url),
-        (serve.make_power_source(proxy, "dcgm"), proxy.proxy.metrics_url),
+        (proxy_source(told), url),
+        (proxy_source(proxy), proxy.proxy.metrics_url),
         (control.make_power_source(plugin, "dcgm", CAPS, StepStats()), url),
     ):
         assert isinstance(src, PrometheusPowerSource) and at in src.name

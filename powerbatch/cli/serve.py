@@ -35,10 +35,6 @@ def dcgm_url(s: ServeSettings) -> str:
     return s.power.dcgm_url or s.proxy.metrics_url
 
 
-def make_power_source(s: ServeSettings, kind: str) -> PowerSource:
-    return factory.make_power_source(s.power, kind, dcgm_url=dcgm_url(s), limiter=s.limiter)
-
-
 def device_max_w(s: ServeSettings, kind: str) -> float | None:
     """With NVML and no max_w: the GPUs' own default power limit, for the model's prior."""
     tdp_w = factory.device_max_w(s.power, kind, s.control.max_w)
@@ -167,7 +163,8 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
         valley_fill=a.valley_fill,
         prefill_burst_s=a.prefill_burst_s,
     )
-    monitor = factory.make_monitor(s.power, make_power_source(s, kind), kind, cfg.ceiling_w)
+    source = factory.make_power_source(s.power, kind, dcgm_url=dcgm_url(s), limiter=s.limiter)
+    monitor = factory.make_monitor(s.power, source, kind, cfg.ceiling_w)
     scraper = None
     if s.proxy.upstream_metrics:
         scraper = UpstreamMetricsScraper(s.proxy.metrics_url)
