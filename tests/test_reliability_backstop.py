@@ -1,14 +1,22 @@
-"""--hardware-backstop: the NVML power limit is set to the ceiling, read back, and restored.
+"""--hardware-backstop: the NVML power limit is set to the ceiling, read back, and restored,
+after a crash too.
 
 pynvml is replaced in sys.modules by the fake from test_telemetry_nvml, so `powerbatch serve`
-runs its real code path (power source and limiter both through NVML) without a GPU.
+runs its real code path (power source and limiter both through NVML) without a GPU; for the
+crash, a child process whose fake GPUs keep their limits in a file, as the driver does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
+import os
+import signal
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -16,7 +24,7 @@ import pynvml
 import pytest
 from conftest import run
 from faults import upstream
-from helpers import async_wait_until
+from helpers import async_wait_until, wait_until
 from test_telemetry_nvml import FakeGpu, fake_nvml
 
 from powerbatch.cli.serve import serve
@@ -24,6 +32,12 @@ from powerbatch.cli.settings import SERVE, ServeSettings
 from powerbatch.cli.stack import free_port
 from powerbatch.errors import ConfigError, PowerLimitError
 from powerbatch.settings import load
+
+
+@pytest.fixture(autouse=True)
+def _state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The limiter's crash-recovery file goes under the test's own directory."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
 
 
 def options(upstream_url: str, **over: Any) -> ServeSettings:
@@ -130,3 +144,63 @@ def test_backstop_needs_the_nvml_power_source() -> None:
 def test_backstop_is_off_by_default() -> None:
     o = load(SERVE, overrides={"upstream": "http://127.0.0.1:9", "ceiling_w": 500})
     assert o.hardware_backstop is False
+
+
+# A child `powerbatch serve` on fake GPUs whose limits live in a file: they outlive the process.
+CHILD = """
+import dataclasses, json, os, sys
+sys.path.insert(0, {tests!r})
+from test_telemetry_nvml import FakeGpu, fake_nvml
+gpus = [FakeGpu(**g) for g in json.load(open({state!r}))]
+nvml = fake_nvml(gpus)
+set_limit = nvml.nvmlDeviceSetPowerManagementLimit
+def persisted(handle, mw):
+    set_limit(handle, mw)
+    with open({state!r} + ".tmp", "w") as f:
+        json.dump([dataclasses.asdict(g) for g in gpus], f)
+    os.replace({state!r} + ".tmp", {state!r})
+nvml.nvmlDeviceSetPowerManagementLimit = persisted
+sys.modules["pynvml"] = nvml
+from powerbatch.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_limit_left_by_kill_9_is_restored_by_the_next_start(tmp_path: Path) -> None:
+    state = tmp_path / "gpus.json"
+    state.write_text(
+        json.dumps([dataclasses.asdict(FakeGpu(limit_mw=mw)) for mw in (700_000, 650_000)])
+    )
+    code = CHILD.format(tests=str(Path(__file__).parent), state=str(state))
+    argv = [
+        sys.executable, "-c", code, "serve", "--upstream", "http://127.0.0.1:9",
+        "--port", str(free_port()), "--ceiling-w", "800", "--power-source", "nvml", "--gpus", "0,1",
+        "--hardware-backstop", "--limit-state-dir", str(tmp_path / "state"),
+    ]  # fmt: skip
+
+    def limits_mw() -> list[int]:
+        return [g["limit_mw"] for g in json.loads(state.read_text())]
+
+    def start(log: Path) -> subprocess.Popen[bytes]:
+        with open(log, "wb") as out:
+            return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=os.environ)
+
+    first = start(tmp_path / "first.log")
+    try:
+        wait_until(lambda: limits_mw() == [400_000, 400_000], 20.0, "the backstop to set 800 W")
+    finally:
+        first.kill()  # SIGKILL: no restore, no cleanup
+        first.wait(10)
+    assert limits_mw() == [400_000, 400_000]  # the limit outlived the process
+
+    log = tmp_path / "second.log"
+    second = start(log)
+    try:
+        wait_until(lambda: "powerbatch listening" in log.read_text(), 20.0, log.read_text)
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(20) == 0, log.read_text()
+    finally:
+        if second.poll() is None:
+            second.kill()
+    assert limits_mw() == [700_000, 650_000]  # what was set before the first run
+    assert "did not restore it; restoring 700/650 W" in log.read_text()

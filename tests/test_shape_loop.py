@@ -8,11 +8,13 @@ from typing import Any
 import pytest
 
 from powerbatch.admission import AdmissionQueue
+from powerbatch.cli.serve import queue_counts
 from powerbatch.control import ControlConfig, Limits
 from powerbatch.control.config import ShapeSettings
 from powerbatch.control.controller import Controller
 from powerbatch.proxy import Governor, ProxyMetrics
-from powerbatch.shape.runner import PlanRunner, QueueCounts, queue_counts
+from powerbatch.shape.planner import QueueCounts
+from powerbatch.shape.runner import PlanRunner
 from powerbatch.telemetry import PowerMonitor, PowerSample
 
 

@@ -36,6 +36,7 @@ from powerbatch.errors import (
 )
 from powerbatch.settings import flat
 from powerbatch.telemetry.base import PowerSource
+from powerbatch.telemetry.factory import make_limiter
 from powerbatch.telemetry.limiter import (
     LimitActuator,
     NoLimiter,
@@ -43,7 +44,6 @@ from powerbatch.telemetry.limiter import (
     PowerLimiter,
     ZeusdLimiter,
     default_state_dir,
-    make_limiter,
     split_total_w,
 )
 from powerbatch.telemetry.settings import LimiterSettings
@@ -274,6 +274,32 @@ def test_nvml_crash_recovery_restores_the_device_default(tmp_path: Path) -> None
         assert not fresh.state_file.exists()
         await fresh.restore()  # nothing changed since: no write
         assert fresh.changes_total == 1
+
+    run(body())
+
+
+def test_nvml_limiter_can_restore_the_previous_limits_after_a_crash_too(tmp_path: Path) -> None:
+    # serve's hardware backstop: what was set before it, not the default, goes back.
+    gpus = [FakeGpu(limit_mw=650_000, default_mw=700_000), FakeGpu(limit_mw=600_000)]
+
+    async def body() -> None:
+        limiter = NvmlLimiter(
+            [0, 1], state_dir=tmp_path, nvml=fake_nvml(gpus), restore_to="previous"
+        )
+        await limiter.start()
+        assert limiter.default_w() == [650.0, 600.0]
+        await limiter.restore()  # nothing set yet: nothing written
+        assert limiter.changes_total == 0
+        await limiter.set_total_w(800.0)
+        assert [g.limit_mw for g in gpus] == [400_000, 400_000]
+        await limiter.restore()
+        assert [g.limit_mw for g in gpus] == [650_000, 600_000]
+        await limiter.set_total_w(500.0)
+        await limiter.close()  # dies without restore()
+        fresh = NvmlLimiter([0, 1], state_dir=tmp_path, nvml=fake_nvml(gpus), restore_to="previous")
+        await fresh.start()
+        assert fresh.recovered and [g.limit_mw for g in gpus] == [650_000, 600_000]
+        assert fresh.default_w() == [650.0, 600.0]  # the recorded limits, not the 250 W left
 
     run(body())
 

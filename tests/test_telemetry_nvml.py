@@ -233,33 +233,18 @@ def test_nvml_available_with_fakes() -> None:
 # --- limiter -----------------------------------------------------------------------------------
 
 
-def test_limiter_splits_clamps_and_reads_back() -> None:
-    gpus = [FakeGpu(min_mw=200_000, max_mw=700_000), FakeGpu(min_mw=200_000, max_mw=400_000)]
-    limiter = NvmlPowerLimiter([0, 1], nvml=fake_nvml(gpus))
-    assert limiter.constraints_w() == [(200.0, 700.0), (200.0, 400.0)]
-    assert limiter.set_total_limit_w(1000.0) == pytest.approx(900.0)  # 500 + clamped 400
-    assert [g.limit_mw for g in gpus] == [500_000, 400_000]
-    assert limiter.set_total_limit_w(100.0) == pytest.approx(400.0)  # both raised to the minimum
-    assert limiter.enforced_limits_w() == [200.0, 200.0]
-
-
-def test_limiter_reports_what_is_in_force_not_what_was_asked() -> None:
-    gpu = FakeGpu(external_cap_mw=300_000)
-    limiter = NvmlPowerLimiter(nvml=fake_nvml([gpu]))
-    assert limiter.set_total_limit_w(500.0) == pytest.approx(300.0)
-
-
-def test_limiter_restores_limits_read_at_start() -> None:
-    gpus = [FakeGpu(limit_mw=650_000, default_mw=700_000), FakeGpu(limit_mw=600_000)]
+def test_limiter_sets_per_gpu_and_reads_set_and_enforced() -> None:
+    gpus = [FakeGpu(), FakeGpu(external_cap_mw=300_000)]  # GPU 1 capped lower by someone else
     nvml = fake_nvml(gpus)
     limiter = NvmlPowerLimiter([0, 1], nvml=nvml)
-    assert limiter.default_limits_w() == [700.0, 700.0]
-    limiter.restore()  # nothing set yet: must not touch the hardware
-    assert "nvmlDeviceSetPowerManagementLimit" not in nvml.calls
-    limiter.set_total_limit_w(800.0)
-    assert [g.limit_mw for g in gpus] == [400_000, 400_000]
-    limiter.restore()
-    assert [g.limit_mw for g in gpus] == [650_000, 600_000]
+    assert limiter.constraints_w() == [(200.0, 700.0), (200.0, 700.0)]
+    assert "nvmlDeviceSetPowerManagementLimit" not in nvml.calls  # opening changes nothing
+    limiter.set_limits_w([500.0, 400.0])
+    assert [g.limit_mw for g in gpus] == [500_000, 400_000]
+    assert limiter.limits_w() == [500.0, 400.0]
+    assert limiter.enforced_limits_w() == [500.0, 300.0]  # what is in force, not what was set
+    with pytest.raises(PowerLimitError, match="1 limits for 2 GPUs"):
+        limiter.set_limits_w([500.0])
     limiter.close()
     assert nvml.calls[-1] == "nvmlShutdown"
 
@@ -268,7 +253,7 @@ def test_limiter_without_permission_says_what_is_needed() -> None:
     gpu = FakeGpu(fail={"nvmlDeviceSetPowerManagementLimit": pynvml.NVML_ERROR_NO_PERMISSION})
     limiter = NvmlPowerLimiter(nvml=fake_nvml([gpu]))
     with pytest.raises(PowerLimitError, match="needs root or CAP_SYS_ADMIN"):
-        limiter.set_total_limit_w(500.0)
+        limiter.set_limits_w([500.0])
 
 
 def test_limiter_errors_are_power_limit_errors() -> None:
@@ -279,9 +264,7 @@ def test_limiter_errors_are_power_limit_errors() -> None:
     gpu = FakeGpu(fail={"nvmlDeviceGetEnforcedPowerLimit": pynvml.NVML_ERROR_UNKNOWN})
     limiter = NvmlPowerLimiter(nvml=fake_nvml([gpu]))
     with pytest.raises(PowerLimitError, match="GPU 0"):
-        limiter.set_total_limit_w(500.0)
-    with pytest.raises(PowerLimitError):
-        limiter.set_total_limit_w(float("nan"))
+        limiter.enforced_limits_w()
 
 
 # --- the power model's prior from the device ---------------------------------------------------
@@ -305,10 +288,11 @@ def test_default_power_limit_is_none_when_nvml_cannot_say() -> None:
 def test_serve_takes_the_prior_from_nvml_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
     from powerbatch.cli import serve
     from powerbatch.control import prior_max_w
+    from powerbatch.telemetry import factory
 
     nvml = fake_nvml([FakeGpu(default_mw=700_000)])
     monkeypatch.setattr(
-        serve, "default_power_limit_w", lambda g: default_power_limit_w(g, nvml=nvml)
+        factory, "default_power_limit_w", lambda g: default_power_limit_w(g, nvml=nvml)
     )
     from powerbatch.cli.settings import SERVE
     from powerbatch.settings import load

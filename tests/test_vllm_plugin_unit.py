@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
 import sys
 import time
 import urllib.request
@@ -16,12 +18,14 @@ from typing import Any
 
 import pytest
 from conftest import FuncPowerSource
+from test_telemetry_nvml import FakeGpu, fake_nvml
 
 try:
     import powerbatch_vllm  # noqa: F401
 except ImportError:  # not installed: use the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "vllm"))
 
+from powerbatch_vllm import control
 from powerbatch_vllm.compat import UnsupportedVllmVersion, check_vllm_version, parse_version
 from powerbatch_vllm.config import PLUGIN, PluginConfig, load_config, reference_markdown
 from powerbatch_vllm.control import ControlThread
@@ -29,10 +33,13 @@ from powerbatch_vllm.engine import EngineCaps, EngineLimits, StepStats, engine_l
 from powerbatch_vllm.metrics import ModelMeter
 from powerbatch_vllm.plugin import _in_use
 
+from powerbatch.cli import serve
+from powerbatch.cli.settings import SERVE
 from powerbatch.control import Limits
 from powerbatch.errors import ConfigError
 from powerbatch.settings import load
 from powerbatch.shape.runner import PlanRunner
+from powerbatch.telemetry import PrometheusPowerSource, factory
 from powerbatch.telemetry.monitor import PowerReading
 
 
@@ -58,6 +65,12 @@ def test_config_from_env_and_file(tmp_path: Path) -> None:
     assert cfg.control.tick_hz == 4  # the environment wins over the file
     off = load_config({"POWERBATCH_VLLM_CEILING_W": "100", "POWERBATCH_VLLM_KV_CAP": "off"})
     assert off.engine.kv_cap is False
+    # The simulator's setting sits in its own group, under its old name.
+    sim = load_config({"POWERBATCH_VLLM_CEILING_W": "100", "POWERBATCH_VLLM_MODEL_PROFILE": "x"})
+    assert sim.simulation.model_profile == "x"
+    assert [f.section for f in PLUGIN.fields if f.name == "model_profile"] == [
+        "Simulation (tests and demos, not production): the modelled power source"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -513,3 +526,72 @@ def test_plugin_planner_task_runs_on_the_control_threads_loop() -> None:
 
     shape = asyncio.run(go())
     assert shape["plan"] and shape["plan"]["status"] == "optimal"
+
+
+# -- one factory for both hosts; what the EngineCore process loads --------------------------
+
+
+@pytest.mark.parametrize("gpus_seen", [1, 0])
+def test_auto_means_the_same_to_serve_and_the_plugin(
+    gpus_seen: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # README: auto is "NVML where it sees the GPUs, else a dcgm-exporter at --dcgm-url".
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml([FakeGpu()] * gpus_seen))
+    url = "http://127.0.0.1:9400/metrics"
+    want = "nvml" if gpus_seen else "dcgm"
+    proxy = load(SERVE, overrides={"upstream": "http://127.0.0.1:9", "ceiling_w": 500})
+    told = load(
+        SERVE, overrides={"upstream": "http://127.0.0.1:9", "ceiling_w": 500, "dcgm_url": url}
+    )
+    plugin = plugin_config(ceiling_w=500, dcgm_url=url)
+    assert serve.source_kind(proxy) == serve.source_kind(told) == want
+    assert control.source_kind(plugin) == want
+    if gpus_seen:
+        assert control.source_kind(plugin_config(ceiling_w=500)) == "nvml"
+        return
+
+    # The dcgm-exporter each host reads: the one named, else (serve) the upstream's /metrics.
+    def proxy_source(s: Any) -> Any:
+        return factory.make_power_source(
+            s.power, "dcgm", dcgm_url=serve.dcgm_url(s), limiter=s.limiter
+        )
+
+    for src, at in (
+        (proxy_source(told), url),
+        (proxy_source(proxy), proxy.proxy.metrics_url),
+        (control.make_power_source(plugin, "dcgm", CAPS, StepStats()), url),
+    ):
+        assert isinstance(src, PrometheusPowerSource) and at in src.name
+    with pytest.raises(ConfigError, match="POWERBATCH_VLLM_DCGM_URL"):  # the plugin has no upstream
+        control.source_kind(plugin_config(ceiling_w=500))
+
+
+ENGINE_CORE = """
+import sys
+from test_telemetry_nvml import FakeGpu, fake_nvml
+sys.modules["pynvml"] = fake_nvml([FakeGpu()])
+from powerbatch_vllm import config, control, energy, engine, metrics
+env = {"CEILING_W": "500", "POWER_SOURCE": "nvml", "METRICS_PORT": "0"}
+cfg = config.load_config({"POWERBATCH_VLLM_" + k: v for k, v in env.items()})
+caps = engine.EngineCaps(64, 2048, 511, 16, True)
+ct = control.ControlThread(cfg, caps, engine.StepStats())
+assert ct.kind == "nvml", ct.kind
+print(" ".join(m for m in ("aiohttp.web", "powerbatch.admission.queue", "powerbatch.sim")
+               if m in sys.modules or any(k.startswith(m + ".") for k in sys.modules)))
+"""
+
+
+def test_engine_core_on_nvml_loads_no_http_server_queue_or_simulator() -> None:
+    # What vLLM's EngineCore imports for the scheduler (scheduler.py needs vLLM itself, which is
+    # not here; it adds only vLLM's own modules to these) and builds, on an NVML power source.
+    tests = str(Path(__file__).parent)
+    path = [tests, str(Path(tests).parent / "plugins" / "vllm"), *sys.path]
+    out = subprocess.run(
+        [sys.executable, "-c", ENGINE_CORE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": ":".join(path)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == []

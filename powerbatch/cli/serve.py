@@ -20,57 +20,25 @@ from powerbatch.errors import ConfigError, PowerbatchError, TelemetryError
 from powerbatch.fleet import attach, join
 from powerbatch.proxy import Governor, ProxyMetrics, create_app
 from powerbatch.proxy.app import create_admin_app
-from powerbatch.shape.runner import plan_runner, queue_counts
-from powerbatch.telemetry import (
-    HampelFilter,
-    NvmlPowerLimiter,
-    NvmlPowerSource,
-    PowerMonitor,
-    PowerSource,
-    PrometheusPowerSource,
-    ReplayPowerSource,
-    UpstreamMetricsScraper,
-    default_power_limit_w,
-    nvml_available,
-)
-from powerbatch.telemetry.limiter import make_actuator
-from powerbatch.telemetry.zeusd import ZeusdPowerSource
+from powerbatch.shape.planner import QueueCounts
+from powerbatch.shape.runner import plan_runner
+from powerbatch.telemetry import NvmlLimiter, PowerSource, UpstreamMetricsScraper, factory
 
 log = logging.getLogger("powerbatch")
 
 
 def source_kind(s: ServeSettings, *, nvml: ModuleType | None = None) -> str:
     """The configured source; `auto` is NVML where it sees GPUs (a GPU node), else dcgm."""
-    kind = s.power.power_source
-    if kind != "auto":
-        return kind
-    return "nvml" if nvml_available(nvml) else "dcgm"
+    return factory.source_kind(s.power, dcgm_url(s), nvml=nvml)
 
 
 def dcgm_url(s: ServeSettings) -> str:
     return s.power.dcgm_url or s.proxy.metrics_url
 
 
-def make_power_source(s: ServeSettings, kind: str) -> PowerSource:
-    p = s.power
-    if kind == "nvml":
-        return NvmlPowerSource(p.gpu_indices())
-    if kind == "dcgm":
-        return PrometheusPowerSource(dcgm_url(s), metric=p.dcgm_metric, labels={"gpu": p.gpus})
-    if kind == "replay":
-        assert p.replay_trace is not None  # PowerSettings checks this
-        return ReplayPowerSource(p.replay_trace, clock="wall")
-    if kind == "zeusd":
-        assert s.limiter.zeusd_url is not None  # ServeSettings checks this
-        return ZeusdPowerSource(s.limiter.zeusd_url, p.gpu_indices(), token=s.limiter.zeusd_token)
-    raise ConfigError(f"the proxy cannot read power from {kind!r}")
-
-
 def device_max_w(s: ServeSettings, kind: str) -> float | None:
     """With NVML and no max_w: the GPUs' own default power limit, for the model's prior."""
-    if s.control.max_w is not None or kind != "nvml":
-        return None
-    tdp_w = default_power_limit_w(s.power.gpu_indices())
+    tdp_w = factory.device_max_w(s.power, kind, s.control.max_w)
     if tdp_w is not None and tdp_w < s.control.ceiling_w:
         log.warning(
             "the ceiling (%.0f W) is above the GPUs' power limit (%.0f W): it cannot bind",
@@ -78,6 +46,19 @@ def device_max_w(s: ServeSettings, kind: str) -> float | None:
             tdp_w,
         )
     return tdp_w
+
+
+def queue_counts(queue: AdmissionQueue) -> QueueCounts:
+    """The admission queue's counts for the shape planner: arrivals are grants, waiters and
+    refusals per class."""
+    st = queue.stats
+    queued = queue.queued_by_class()
+    rejected = dict.fromkeys(queued, 0)
+    for (p, _), n in st.rejected_total.items():
+        rejected[p] = rejected.get(p, 0) + n
+    arrived = {p: st.admitted_total[p] + queued[p] + rejected[p] for p in queued}
+    completed = sum(st.admitted_total.values()) - queue.in_flight
+    return QueueCounts(arrived, completed, queue.in_flight, queued)
 
 
 async def probe_power(source: PowerSource, s: ServeSettings, kind: str) -> None:
@@ -115,23 +96,27 @@ def _no_reading(s: ServeSettings, kind: str, exc: TelemetryError) -> str:
     return waited + "Check --replay-trace"
 
 
-def start_backstop(s: ServeSettings) -> NvmlPowerLimiter | None:
+async def start_backstop(s: ServeSettings) -> NvmlLimiter | None:
     """With --hardware-backstop, set the GPUs' NVML power limit to the ceiling.
 
     A second line of defence under the controller: if powerbatch or its sensor misbehaves, the
-    driver itself still holds the set at the ceiling. The limit is clamped to what the device
-    accepts and read back; `stop_backstop` puts the previous limits back.
+    driver itself still holds the set at the ceiling. It goes through the limiter, so the limit
+    is clamped to what the device accepts and read back, and a state file records what to put
+    back: `stop_backstop` restores the previous limits, and after a crash the next start does.
     """
     if not s.hardware_backstop:
         return None
     ceiling_w = s.control.ceiling_w
-    limiter = NvmlPowerLimiter(s.power.gpu_indices())
+    limiter = NvmlLimiter(
+        s.power.gpu_indices(), state_dir=s.limiter.limit_state_dir, restore_to="previous"
+    )
     try:
-        in_force_w = limiter.set_total_limit_w(ceiling_w)
+        await limiter.start()  # a limit a crashed run left is restored first
+        in_force_w = await limiter.set_total_w(ceiling_w)
     except BaseException:
         with contextlib.suppress(Exception):
-            limiter.restore()
-        limiter.close()
+            await limiter.restore()
+        await limiter.close()
         raise
     lo_w = sum(lo for lo, _ in limiter.constraints_w())
     if in_force_w > ceiling_w + 0.5:
@@ -146,16 +131,16 @@ def start_backstop(s: ServeSettings) -> NvmlPowerLimiter | None:
     return limiter
 
 
-def stop_backstop(limiter: NvmlPowerLimiter | None) -> None:
+async def stop_backstop(limiter: NvmlLimiter | None) -> None:
     if limiter is None:
         return
     try:
-        limiter.restore()
+        await limiter.restore()
         log.info("hardware backstop: previous NVML power limits restored")
     except PowerbatchError as exc:
         log.error("hardware backstop: could not restore the power limits: %s", exc)
     finally:
-        limiter.close()
+        await limiter.close()
 
 
 def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, Governor]:
@@ -179,14 +164,8 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
         valley_fill=a.valley_fill,
         prefill_burst_s=a.prefill_burst_s,
     )
-    averaged = s.power.averages(kind)
-    monitor = PowerMonitor(
-        make_power_source(s, kind),
-        interval_s=s.power.power_interval_s,
-        stale_after_s=s.power.stale_after_s,
-        max_plausible_w=s.power.plausible_w(cfg.ceiling_w),
-        hampel=None if averaged else HampelFilter(),
-    )
+    source = factory.make_power_source(s.power, kind, dcgm_url=dcgm_url(s), limiter=s.limiter)
+    monitor = factory.make_monitor(s.power, source, kind, cfg.ceiling_w)
     scraper = None
     if s.proxy.upstream_metrics:
         scraper = UpstreamMetricsScraper(s.proxy.metrics_url)
@@ -197,9 +176,9 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
         monitor,
         ProxyMetrics(),
         upstream_scraper=scraper,
-        source_averages=averaged,
+        source_averages=s.power.averages(kind),
         trace=open_trace(s.trace),
-        actuator=make_actuator(s.limiter, s.power.gpu_indices()),
+        actuator=factory.make_actuator(s.limiter, s.power.gpu_indices()),
         plan=plan_runner(s.shape, controller, lambda: queue_counts(queue)),
         ceiling=member,
         energy=s.energy,
@@ -231,7 +210,7 @@ async def serve(s: ServeSettings, stop: asyncio.Event | None = None) -> None:
         await gov.monitor.source.close()
         raise
     admin = create_admin_app(gov, p) if p.admin_port is not None else None
-    limiter = start_backstop(s)
+    limiter = await start_backstop(s)
     runners: list[web.AppRunner] = []
     try:
         # The drain below already waited for in-flight work; cleanup need not wait long again.
@@ -273,4 +252,4 @@ async def serve(s: ServeSettings, stop: asyncio.Event | None = None) -> None:
         await gov.monitor.source.close()  # the monitor leaves its source to its owner: us
         if gov.scraper is not None:
             await gov.scraper.close()  # likewise the upstream scraper's HTTP session
-        stop_backstop(limiter)
+        await stop_backstop(limiter)

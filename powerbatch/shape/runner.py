@@ -12,31 +12,19 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from powerbatch.admission.queue import AdmissionQueue
 from powerbatch.control.config import ShapeSettings
 from powerbatch.control.controller import Controller
-from powerbatch.shape.planner import Plan, PlanInputs, forecast, solve
+from powerbatch.shape.planner import Plan, PlanInputs, QueueCounts, forecast, solve
 
 log = logging.getLogger("powerbatch.shape")
 
 MIN_RATE_S = 1.0
 """The shortest span of counts the arrival and completion rates are taken over, s."""
-
-
-@dataclass(frozen=True, slots=True)
-class QueueCounts:
-    """Cumulative arrivals per class, completions, and what is in flight and waiting now."""
-
-    arrived: Mapping[str, int]
-    completed: int
-    in_flight: int
-    queued: Mapping[str, int]
 
 
 class PlanRunner:
@@ -150,23 +138,11 @@ class PlanRunner:
             await asyncio.sleep(every_s if plan is not None else min(MIN_RATE_S, every_s))
 
 
-def queue_counts(queue: AdmissionQueue) -> QueueCounts:
-    """The admission queue's counts: arrivals are grants, waiters and refusals per class."""
-    st = queue.stats
-    queued = queue.queued_by_class()
-    rejected = dict.fromkeys(queued, 0)
-    for (p, _), n in st.rejected_total.items():
-        rejected[p] = rejected.get(p, 0) + n
-    arrived = {p: st.admitted_total[p] + queued[p] + rejected[p] for p in queued}
-    completed = sum(st.admitted_total.values()) - queue.in_flight
-    return QueueCounts(arrived, completed, queue.in_flight, queued)
-
-
 def plan_runner(
     settings: ShapeSettings, controller: Controller, counts: Callable[[], QueueCounts]
 ) -> PlanRunner | None:
     """A host's planner, or None when it is off. `counts` is the host's queue: the proxy's
-    admission queue (`queue_counts`), the engine's steps in the vLLM plugin."""
+    admission queue (`powerbatch.cli.serve.queue_counts`), the engine's steps in the vLLM plugin."""
     if settings.planner != "on":
         return None
     return PlanRunner(settings, controller, counts)

@@ -1,9 +1,11 @@
-"""GPU power readings: sources (NVML, dcgm-exporter, replayed traces), filters and the monitor.
+"""GPU power readings: sources (NVML, dcgm-exporter, replayed traces), filters and the monitor;
+the device power limit; and `factory`, which builds them from settings for each host.
 
 Importing this package never imports pynvml; only constructing an NVML object does.
 """
 
 from powerbatch.telemetry.base import PowerSample, PowerSource
+from powerbatch.telemetry.factory import make_limiter
 from powerbatch.telemetry.filters import Ewma, HampelFilter
 from powerbatch.telemetry.limiter import (
     LimitActuator,
@@ -11,7 +13,6 @@ from powerbatch.telemetry.limiter import (
     NvmlLimiter,
     PowerLimiter,
     ZeusdLimiter,
-    make_limiter,
 )
 from powerbatch.telemetry.monitor import PowerMonitor, PowerReading
 from powerbatch.telemetry.nvml import (

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from powerbatch.errors import (
     LimiterPermissionDenied,
@@ -57,8 +57,8 @@ __all__ = [
     "NvmlLimiter",
     "PowerLimiter",
     "ZeusdLimiter",
+    "clamp_w",
     "default_state_dir",
-    "make_limiter",
     "split_total_w",
 ]
 
@@ -93,12 +93,16 @@ class PowerLimiter(Protocol):
     async def close(self) -> None: ...
 
 
+def clamp_w(limits_w: Sequence[float], constraints_w: Sequence[tuple[float, float]]) -> list[float]:
+    """Each GPU's limit clamped to its (min_w, max_w): never outside what the device accepts."""
+    return [min(max(w, lo), hi) for w, (lo, hi) in zip(limits_w, constraints_w, strict=True)]
+
+
 def split_total_w(total_w: float, constraints_w: Sequence[tuple[float, float]]) -> list[float]:
-    """An even share per GPU, each clamped to its (min_w, max_w): never outside what it accepts."""
+    """An even share per GPU, each clamped to its constraints."""
     if not (math.isfinite(total_w) and total_w > 0):
         raise PowerLimitError(f"total power limit must be positive and finite, got {total_w}")
-    share_w = total_w / len(constraints_w)
-    return [min(max(share_w, lo), hi) for lo, hi in constraints_w]
+    return clamp_w([total_w / len(constraints_w)] * len(constraints_w), constraints_w)
 
 
 def default_state_dir() -> Path:
@@ -206,6 +210,20 @@ class _DeviceLimiter:
         """What to restore after a crash: the device default."""
         return default_w
 
+    def _recorded_w(self, record: dict[str, Any]) -> list[float]:
+        """The limits in force before the crashed run's first change, from its record."""
+        saved = record.get("restore_w")
+        if (
+            isinstance(saved, list)
+            and len(saved) == len(self.gpu_ids)
+            and all(isinstance(w, int | float) and w > 0 for w in saved)
+        ):
+            return [float(w) for w in saved]
+        raise PowerLimitError(
+            f"the limit state file {self.state_file.path} has no usable restore_w; restore the "
+            "GPUs' limits by hand, then delete the file"
+        )
+
     # -- the interface ---------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -213,10 +231,7 @@ class _DeviceLimiter:
         constraints_w, default_w = await self._open()
         record = self.state_file.read()
         if record is not None:
-            restore_w = self._recovery_w(record, default_w)
-            restore_w = [
-                min(max(w, lo), hi) for w, (lo, hi) in zip(restore_w, constraints_w, strict=True)
-            ]
+            restore_w = clamp_w(self._recovery_w(record, default_w), constraints_w)
             _log.warning(
                 "%s: a previous run (pid %s) changed the power limit and did not restore it; "
                 "restoring %s W",
@@ -298,7 +313,11 @@ def _fmt(values_w: Sequence[float]) -> str:
 
 class NvmlLimiter(_DeviceLimiter):
     """NVML in this process: needs root or CAP_SYS_ADMIN. NVML calls are local and sub-millisecond,
-    so they run inline (see powerbatch.telemetry.nvml)."""
+    so they run inline (see powerbatch.telemetry.nvml).
+
+    `restore_to="previous"` (serve's hardware backstop) puts back the limits in force at start
+    rather than the device default, after a crash too (from the state file), as zeusd does.
+    """
 
     backend = "nvml"
 
@@ -308,9 +327,11 @@ class NvmlLimiter(_DeviceLimiter):
         *,
         state_dir: str | Path | None = None,
         nvml: ModuleType | None = None,
+        restore_to: Literal["default", "previous"] = "default",
     ) -> None:
         super().__init__(gpu_ids, tag="nvml", state_dir=state_dir)
         self._nvml = nvml
+        self._restore_to = restore_to
         self._device: NvmlPowerLimiter | None = None
 
     def _dev(self) -> NvmlPowerLimiter:
@@ -321,7 +342,15 @@ class NvmlLimiter(_DeviceLimiter):
     async def _open(self) -> tuple[list[tuple[float, float]], list[float]]:
         if self._device is None:
             self._device = NvmlPowerLimiter(self.gpu_ids, nvml=self._nvml)
-        return self._device.constraints_w(), self._device.default_limits_w()
+        dev = self._device
+        if self._restore_to == "previous":
+            return dev.constraints_w(), dev.limits_w()
+        return dev.constraints_w(), dev.default_limits_w()
+
+    def _recovery_w(self, record: dict[str, Any], default_w: list[float]) -> list[float]:
+        if self._restore_to == "previous":
+            return self._recorded_w(record)
+        return default_w
 
     async def _read_w(self) -> list[float]:
         return self._dev().enforced_limits_w()
@@ -402,18 +431,8 @@ class ZeusdLimiter(_DeviceLimiter):
         )
 
     def _recovery_w(self, record: dict[str, Any], default_w: list[float]) -> list[float]:
-        """The limits recorded before the crashed run's first change (zeusd reads no default)."""
-        saved = record.get("restore_w")
-        if (
-            isinstance(saved, list)
-            and len(saved) == len(self.gpu_ids)
-            and all(isinstance(w, int | float) and w > 0 for w in saved)
-        ):
-            return [float(w) for w in saved]
-        raise PowerLimitError(
-            f"the limit state file {self.state_file.path} has no usable restore_w; restore the "
-            "GPUs' limits by hand, then delete the file"
-        )
+        """zeusd reads no default: the limits recorded before the crashed run's first change."""
+        return self._recorded_w(record)
 
     async def _read_w(self) -> list[float]:
         with _limit_errors():
@@ -466,22 +485,6 @@ class NoLimiter:
 
     async def close(self) -> None:
         return None
-
-
-def make_limiter(settings: LimiterSettings, gpus: Sequence[int]) -> PowerLimiter:
-    """The configured backend, not started (call `await limiter.start()`)."""
-    if settings.power_limiter == "nvml":
-        return NvmlLimiter(gpus, state_dir=settings.limit_state_dir)
-    if settings.power_limiter == "zeusd":
-        assert settings.zeusd_url is not None  # LimiterSettings refuses zeusd without a URL
-        return ZeusdLimiter(
-            settings.zeusd_url,
-            gpus,
-            token=settings.zeusd_token,
-            timeout_s=settings.limit_timeout_s,
-            state_dir=settings.limit_state_dir,
-        )
-    return NoLimiter()
 
 
 class LimitActuator:
@@ -638,11 +641,3 @@ class LimitActuator:
             "changes_total": self.changes_total,
             "failures_total": self.failures_total,
         }
-
-
-def make_actuator(settings: LimiterSettings, gpus: Sequence[int]) -> LimitActuator | None:
-    """The configured limiter behind its actuator, or None for admission alone (not started:
-    the control loop starts it first thing, so crash recovery runs before anything else)."""
-    if settings.power_limiter == "none":
-        return None
-    return LimitActuator.from_settings(make_limiter(settings, gpus), settings)

@@ -171,10 +171,6 @@ class PowerMonitor:
         """Call `callback` with every new good reading; its exceptions are logged, not raised."""
         self._listeners.append(callback)
 
-    def remove_listener(self, callback: Listener) -> None:
-        with contextlib.suppress(ValueError):
-            self._listeners.remove(callback)
-
     # --- polling -----------------------------------------------------------------------------
 
     def _log(self, message: str) -> None:

@@ -13,7 +13,6 @@ driver is caught one level up: the monitor bounds every read with a timeout and 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -214,12 +213,10 @@ class NvmlPowerSource:
 
 
 class NvmlPowerLimiter:
-    """Set, read back and restore the hardware power limit of a set of GPUs (synchronous).
+    """Read and set the hardware power limit of a set of GPUs, one value per GPU (synchronous).
 
-    The limit outlives this process (until the driver reloads), so the limits in force at
-    construction are remembered and `restore()` puts them back; call it on shutdown, then `close()`.
-    This is the device layer; `powerbatch.telemetry.limiter.NvmlLimiter` wraps it in the async
-    `PowerLimiter` interface with crash recovery to the device default.
+    The device calls only: splitting a total, clamping, what to restore and the crash-recovery
+    record are `powerbatch.telemetry.limiter.NvmlLimiter`'s, which every caller goes through.
     """
 
     def __init__(
@@ -236,11 +233,6 @@ class NvmlPowerLimiter:
         self._constraints_w = self._per_gpu(
             "nvmlDeviceGetPowerManagementLimitConstraints", self._read_constraints_w
         )
-        self._initial_limits_w = self._per_gpu(
-            "nvmlDeviceGetPowerManagementLimit",
-            lambda h: float(self._nvml.nvmlDeviceGetPowerManagementLimit(h)) / 1000.0,
-        )
-        self._changed = False
 
     def _read_constraints_w(self, handle: Any) -> tuple[float, float]:
         min_mw, max_mw = self._nvml.nvmlDeviceGetPowerManagementLimitConstraints(handle)
@@ -276,6 +268,13 @@ class NvmlPowerLimiter:
             lambda h: float(self._nvml.nvmlDeviceGetPowerManagementDefaultLimit(h)) / 1000.0,
         )
 
+    def limits_w(self) -> list[float]:
+        """Per GPU limit set now (by whoever set it last), not necessarily the one enforced."""
+        return self._per_gpu(
+            "nvmlDeviceGetPowerManagementLimit",
+            lambda h: float(self._nvml.nvmlDeviceGetPowerManagementLimit(h)) / 1000.0,
+        )
+
     def enforced_limits_w(self) -> list[float]:
         """Per GPU limit actually in force (the lowest of all limits set by anyone)."""
         return self._per_gpu(
@@ -284,13 +283,9 @@ class NvmlPowerLimiter:
         )
 
     def set_limits_w(self, limits_w: Sequence[float]) -> None:
-        """Set one limit per GPU as given (the caller clamps); marks the limits as changed."""
+        """Set one limit per GPU as given (the caller clamps)."""
         if len(limits_w) != len(self.gpu_indices):
             raise PowerLimitError(f"{len(limits_w)} limits for {len(self.gpu_indices)} GPUs")
-        self._changed = True
-        self._set_w(limits_w)
-
-    def _set_w(self, limits_w: Sequence[float]) -> None:
         for index, handle, limit_w in zip(
             self.gpu_indices, self._devices.handles, limits_w, strict=True
         ):
@@ -299,29 +294,8 @@ class NvmlPowerLimiter:
             except self._nvml.NVMLError as exc:
                 raise self._error(exc, index, f"set power limit to {limit_w:.1f} W") from exc
 
-    def set_total_limit_w(self, total_w: float) -> float:
-        """Split `total_w` evenly over the GPUs, clamped per GPU; return the total now in force.
-
-        The return value is read back from the driver, so it reflects clamping and any lower
-        limit someone else has set, not what was asked for.
-        """
-        if not (math.isfinite(total_w) and total_w > 0):
-            raise PowerLimitError(f"total power limit must be positive and finite, got {total_w}")
-        share_w = total_w / len(self.gpu_indices)
-        limits_w = [min(max(share_w, lo), hi) for lo, hi in self._constraints_w]
-        self._changed = True
-        self._set_w(limits_w)
-        return sum(self.enforced_limits_w())
-
-    def restore(self) -> None:
-        """Put back the limits in force at construction; a no-op if nothing was set."""
-        if not self._changed:
-            return
-        self._set_w(self._initial_limits_w)
-        self._changed = False
-
     def close(self) -> None:
-        """Release NVML; does not restore limits (call restore() first)."""
+        """Release NVML; the limits stay as they are."""
         self._devices.shutdown()
 
 

@@ -31,9 +31,6 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 class EngineSettings:
     """Engine: how the limits reach vLLM's scheduler, and the plugin's endpoint"""
 
-    model_profile: str = setting(
-        "h100-llama8b", "GPU profile of the simulator's power model (power_source model)"
-    )
     min_step_tokens: int = setting(
         32, "the step's token budget never drops below decodes plus this", ge=1
     )
@@ -48,6 +45,15 @@ class EngineSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class SimulationSettings:
+    """Simulation (tests and demos, not production): the modelled power source"""
+
+    model_profile: str = setting(
+        "h100-llama8b", "GPU profile of the simulator's power model (power_source model)"
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class PluginConfig:
     """The plugin's settings: the controller's, the power source's and the engine's"""
 
@@ -59,6 +65,7 @@ class PluginConfig:
     shape: ShapeSettings = dataclasses.field(default_factory=ShapeSettings)
     fleet: FleetSettings = dataclasses.field(default_factory=FleetSettings)
     energy: EnergySettings = dataclasses.field(default_factory=EnergySettings)
+    simulation: SimulationSettings = dataclasses.field(default_factory=SimulationSettings)
 
     def __post_init__(self) -> None:
         self.power.check_ceiling(self.control.ceiling_w)

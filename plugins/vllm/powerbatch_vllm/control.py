@@ -27,17 +27,7 @@ from powerbatch.errors import ConfigError
 from powerbatch.fleet import attach, join
 from powerbatch.shape.runner import plan_runner
 from powerbatch.shape.tracker import ShapeTracker
-from powerbatch.telemetry import (
-    HampelFilter,
-    NvmlPowerSource,
-    PowerMonitor,
-    PowerSource,
-    PrometheusPowerSource,
-    default_power_limit_w,
-    nvml_available,
-)
-from powerbatch.telemetry.limiter import make_actuator
-from powerbatch.telemetry.zeusd import ZeusdPowerSource
+from powerbatch.telemetry import PowerSource, factory
 from powerbatch_vllm.config import ENV_PREFIX, PluginConfig
 from powerbatch_vllm.energy import EngineEnergy
 from powerbatch_vllm.engine import EngineCaps, EngineLimits, StepStats, engine_limits
@@ -48,44 +38,35 @@ log = logging.getLogger("vllm.powerbatch")
 
 def source_kind(cfg: PluginConfig) -> str:
     """The configured source; `auto` is NVML where it sees GPUs, else the dcgm-exporter URL."""
-    p = cfg.power
-    if p.power_source != "auto":
-        return p.power_source
-    if nvml_available():
-        return "nvml"
-    if p.dcgm_url:
-        return "dcgm"
-    raise ConfigError(
-        f"{ENV_PREFIX}POWER_SOURCE=auto: NVML sees no GPU here and no {ENV_PREFIX}DCGM_URL is "
-        f"set; set {ENV_PREFIX}POWER_SOURCE=nvml on the GPU node, or {ENV_PREFIX}DCGM_URL to "
-        "the node's dcgm-exporter"
-    )
+    try:
+        return factory.source_kind(cfg.power, cfg.power.dcgm_url)
+    except ConfigError:
+        raise ConfigError(
+            f"{ENV_PREFIX}POWER_SOURCE=auto: NVML sees no GPU here and no {ENV_PREFIX}DCGM_URL "
+            f"is set; set {ENV_PREFIX}POWER_SOURCE=nvml on the GPU node, or {ENV_PREFIX}DCGM_URL "
+            "to the node's dcgm-exporter"
+        ) from None
 
 
 def make_power_source(
     cfg: PluginConfig, kind: str, caps: EngineCaps, stats: StepStats
 ) -> PowerSource:
     """The configured source; `model` reads the engine's own steps through `stats`."""
+
+    def model() -> PowerSource:
+        # Imported here only: the simulator package brings its HTTP server (aiohttp.web) along,
+        # which an engine reading a real sensor has no use for.
+        from powerbatch.sim.power_source import ModelPowerSource
+
+        def features() -> tuple[int, float, int]:
+            batch, prefill, kv_blocks = stats.take_window()
+            return round(batch), prefill, round(kv_blocks * caps.block_size)
+
+        profile = cfg.simulation.model_profile
+        return ModelPowerSource(features, profile, kv_capacity_tokens=max(caps.kv_tokens, 1))
+
     p = cfg.power
-    if kind == "nvml":
-        return NvmlPowerSource(p.gpu_indices())
-    if kind == "dcgm":
-        assert p.dcgm_url is not None  # PluginConfig checks this
-        return PrometheusPowerSource(p.dcgm_url, metric=p.dcgm_metric, labels={"gpu": p.gpus})
-    if kind == "zeusd":
-        lim = cfg.limiter
-        assert lim.zeusd_url is not None  # PluginConfig checks this
-        return ZeusdPowerSource(lim.zeusd_url, p.gpu_indices(), token=lim.zeusd_token)
-    # Imported here only: the simulator package brings its HTTP server (aiohttp.web) along,
-    # which an engine reading a real sensor has no use for.
-    from powerbatch.sim.power_source import ModelPowerSource
-
-    def features() -> tuple[int, float, int]:
-        batch, prefill, kv_blocks = stats.take_window()
-        return round(batch), prefill, round(kv_blocks * caps.block_size)
-
-    profile = cfg.engine.model_profile
-    return ModelPowerSource(features, profile, kv_capacity_tokens=max(caps.kv_tokens, 1))
+    return factory.make_power_source(p, kind, dcgm_url=p.dcgm_url, limiter=cfg.limiter, model=model)
 
 
 class EngineFeatures:
@@ -223,23 +204,15 @@ class ControlThread:
     ) -> None:
         self.cfg, self.caps, self.stats = cfg, caps, stats
         self.kind = "custom" if source is not None else source_kind(cfg)
-        device_max_w = None
-        if self.kind == "nvml" and cfg.control.max_w is None:
-            device_max_w = default_power_limit_w(cfg.power.gpu_indices())
         self.control = cfg.control_config(
             engine_max_batch=caps.max_active_reqs,
             max_kv_tokens=caps.kv_tokens,
-            device_max_w=device_max_w,
+            device_max_w=factory.device_max_w(cfg.power, self.kind, cfg.control.max_w),
         )
         self.controller = Controller(self.control, shape=cfg.shape)
         self.source = source or make_power_source(cfg, self.kind, caps, stats)
-        averaged = cfg.power.averages(self.kind)
-        self.monitor = PowerMonitor(
-            self.source,
-            interval_s=cfg.power.power_interval_s,
-            stale_after_s=cfg.power.stale_after_s,
-            max_plausible_w=cfg.power.plausible_w(cfg.control.ceiling_w),
-            hampel=None if averaged else HampelFilter(),
+        self.monitor = factory.make_monitor(
+            cfg.power, self.source, self.kind, cfg.control.ceiling_w
         )
         self.meter = ModelMeter()
         if self.kind == "model":
@@ -263,12 +236,12 @@ class ControlThread:
             [self.sink],
             m,
             observers=[ShapeTracker(cfg.shape, m.shape, plan), self.energy],
-            source_averages=averaged,
+            source_averages=cfg.power.averages(self.kind),
             history_len=history_len,
             trace=open_trace(cfg.trace),
             # Created here, started (crash recovery first) and used on the control thread's
             # own event loop, which owns its HTTP session.
-            actuator=make_actuator(cfg.limiter, cfg.power.gpu_indices()),
+            actuator=factory.make_actuator(cfg.limiter, cfg.power.gpu_indices()),
             ceiling=member,
             plan=plan,
         )
@@ -344,7 +317,7 @@ class ControlThread:
         if self.kind != "model":
             return ""
         gpu = self.cfg.power.gpus[0]
-        name = f"powerbatch-model:{self.cfg.engine.model_profile}"
+        name = f"powerbatch-model:{self.cfg.simulation.model_profile}"
         return self.meter.text(gpu, name)
 
     def status(self) -> dict[str, Any]:

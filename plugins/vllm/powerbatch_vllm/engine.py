@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from powerbatch.control import LatencySnapshot, LatencyWindow, Limits
-from powerbatch.shape.runner import QueueCounts
+from powerbatch.shape.planner import QueueCounts
 from powerbatch.telemetry.filters import ewma_step
 
 # vLLM's priorities are integers with no names; the controller's TTFT p95 counts these classes.

@@ -46,10 +46,6 @@ _NEEDED = ("max_num_active_reqs", "max_num_scheduled_tokens", "kv_cache_manager"
 _ADMITTING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class _PowerbatchMixin:
     """The hooks, shared by both flavours; state lives in `_pb_*` attributes."""
 

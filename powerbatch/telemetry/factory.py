@@ -1,0 +1,113 @@
+"""The one factory of a host's telemetry: power source, monitor, device limiter and actuator.
+
+`powerbatch serve` and the vLLM plugin both build theirs here, so a setting means the same on
+both: `auto` is NVML where it sees the GPUs, else the dcgm-exporter at the host's dcgm URL.
+A source only one host has (the plugin's modelled one, which lives in the simulator, a layer
+above) comes in as a callable, so nothing here imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+from powerbatch.errors import ConfigError
+from powerbatch.telemetry.base import PowerSource
+from powerbatch.telemetry.filters import HampelFilter
+from powerbatch.telemetry.limiter import (
+    LimitActuator,
+    NoLimiter,
+    NvmlLimiter,
+    PowerLimiter,
+    ZeusdLimiter,
+)
+from powerbatch.telemetry.monitor import PowerMonitor
+from powerbatch.telemetry.nvml import NvmlPowerSource, default_power_limit_w, nvml_available
+from powerbatch.telemetry.prometheus import PrometheusPowerSource
+from powerbatch.telemetry.replay import ReplayPowerSource
+from powerbatch.telemetry.settings import LimiterSettings, PowerSettings
+from powerbatch.telemetry.zeusd import ZeusdPowerSource
+
+
+def source_kind(
+    power: PowerSettings, dcgm_url: str | None, *, nvml: ModuleType | None = None
+) -> str:
+    """The configured source resolved: `auto` is NVML where it sees GPUs, else dcgm at
+    `dcgm_url` (the host's: serve falls back to the upstream's /metrics, the plugin has none)."""
+    if power.power_source != "auto":
+        return power.power_source
+    if nvml_available(nvml):
+        return "nvml"
+    if dcgm_url:
+        return "dcgm"
+    raise ConfigError(
+        "power_source auto: NVML sees no GPU here and no dcgm_url is set; set power_source "
+        "nvml on the GPU node, or dcgm_url to the node's dcgm-exporter"
+    )
+
+
+def make_power_source(
+    power: PowerSettings,
+    kind: str,
+    *,
+    dcgm_url: str | None,
+    limiter: LimiterSettings,
+    model: Callable[[], PowerSource] | None = None,
+) -> PowerSource:
+    """The source of resolved `kind`; zeusd reads through the limiter's daemon settings, and
+    `model` builds the plugin's modelled source (None on a host that has none)."""
+    if kind == "nvml":
+        return NvmlPowerSource(power.gpu_indices())
+    if kind == "dcgm" and dcgm_url:
+        return PrometheusPowerSource(dcgm_url, metric=power.dcgm_metric, labels={"gpu": power.gpus})
+    if kind == "replay" and power.replay_trace:
+        return ReplayPowerSource(power.replay_trace, clock="wall")
+    if kind == "zeusd" and limiter.zeusd_url:
+        return ZeusdPowerSource(limiter.zeusd_url, power.gpu_indices(), token=limiter.zeusd_token)
+    if kind == "model" and model is not None:
+        return model()
+    raise ConfigError(f"this host cannot read power from {kind!r} with these settings")
+
+
+def make_monitor(
+    power: PowerSettings, source: PowerSource, kind: str, ceiling_w: float
+) -> PowerMonitor:
+    """The monitor over `source`; a source that averages itself is not despiked again."""
+    return PowerMonitor(
+        source,
+        interval_s=power.power_interval_s,
+        stale_after_s=power.stale_after_s,
+        max_plausible_w=power.plausible_w(ceiling_w),
+        hampel=None if power.averages(kind) else HampelFilter(),
+    )
+
+
+def device_max_w(power: PowerSettings, kind: str, max_w: float | None) -> float | None:
+    """With NVML and no `max_w` set: the GPUs' own default power limit, for the model's prior."""
+    if max_w is not None or kind != "nvml":
+        return None
+    return default_power_limit_w(power.gpu_indices())
+
+
+def make_limiter(settings: LimiterSettings, gpus: Sequence[int]) -> PowerLimiter:
+    """The configured backend, not started (call `await limiter.start()`)."""
+    if settings.power_limiter == "nvml":
+        return NvmlLimiter(gpus, state_dir=settings.limit_state_dir)
+    if settings.power_limiter == "zeusd":
+        assert settings.zeusd_url is not None  # LimiterSettings refuses zeusd without a URL
+        return ZeusdLimiter(
+            settings.zeusd_url,
+            gpus,
+            token=settings.zeusd_token,
+            timeout_s=settings.limit_timeout_s,
+            state_dir=settings.limit_state_dir,
+        )
+    return NoLimiter()
+
+
+def make_actuator(settings: LimiterSettings, gpus: Sequence[int]) -> LimitActuator | None:
+    """The configured limiter behind its actuator, or None for admission alone (not started:
+    the control loop starts it first thing, so crash recovery runs before anything else)."""
+    if settings.power_limiter == "none":
+        return None
+    return LimitActuator.from_settings(make_limiter(settings, gpus), settings)
