@@ -85,8 +85,6 @@ PUBLISHED = (
 )
 # What powerbatch/telemetry/nvml.py does not offer, so this script cannot record it.
 NVML_GAPS = (
-    "the currently set (not enforced) limit: read at construction into "
-    "NvmlPowerLimiter._initial_limits_w, no public getter",
     "device name, UUID, driver and NVML version",
     "clocks and clock-event (throttle) reasons, to see whether a cap or a thermal limit engaged",
     "GPU utilisation, temperature, memory used",
