@@ -21,7 +21,7 @@ from aiohttp import web
 from helpers import async_wait_until
 
 from powerbatch.admission import AdmissionQueue
-from powerbatch.control import ControlConfig, Limits
+from powerbatch.control import AdmissionLimits, ControlConfig
 from powerbatch.control.controller import Controller
 from powerbatch.errors import SensorReadError
 from powerbatch.proxy import Governor, ProxyMetrics, ProxySettings, create_app
@@ -256,7 +256,7 @@ async def running_proxy(
         prefill_pacing=False,
     )
     queue = AdmissionQueue(
-        Limits(batch, cfg.max_kv_tokens, None),
+        AdmissionLimits(batch, cfg.max_kv_tokens, None),
         max_queue_len=max_queue_len,
         max_wait_s={"high": max_wait_s, "normal": max_wait_s, "low": max_wait_s},
     )

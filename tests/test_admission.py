@@ -9,7 +9,7 @@ from conftest import run
 from helpers import run_virtual
 
 from powerbatch.admission import AdmissionQueue, Rejected, Slot, parse_priority
-from powerbatch.control import Limits
+from powerbatch.control import AdmissionLimits
 
 
 def test_parse_priority_accepts_aliases_and_rejects_the_rest() -> None:
@@ -23,7 +23,7 @@ def test_parse_priority_accepts_aliases_and_rejects_the_rest() -> None:
 
 def test_never_more_in_flight_than_the_limit_and_every_slot_released_once() -> None:
     async def main() -> None:
-        q = AdmissionQueue(Limits(3, 10**9))
+        q = AdmissionQueue(AdmissionLimits(3, 10**9))
         peak = 0
 
         async def one(i: int) -> None:
@@ -44,7 +44,7 @@ def test_never_more_in_flight_than_the_limit_and_every_slot_released_once() -> N
 
 def test_priority_first_then_fifo_within_a_class() -> None:
     async def main() -> None:
-        q = AdmissionQueue(Limits(1, 10**9))
+        q = AdmissionQueue(AdmissionLimits(1, 10**9))
         blocker = await q.admit("normal", 1, 1)
         order: list[str] = []
 
@@ -72,7 +72,7 @@ def test_priority_first_then_fifo_within_a_class() -> None:
 
 def test_kv_limit_holds_but_one_request_always_fits_an_empty_upstream() -> None:
     async def main() -> None:
-        q = AdmissionQueue(Limits(100, 1_000))
+        q = AdmissionQueue(AdmissionLimits(100, 1_000))
         big = await q.admit("normal", 5_000, 10)  # larger than the cap: admitted alone
         waiting = asyncio.create_task(q.admit("normal", 600, 10))
         await asyncio.sleep(0.01)
@@ -93,7 +93,7 @@ def test_kv_limit_holds_but_one_request_always_fits_an_empty_upstream() -> None:
 
 def test_wait_limit_answers_429_with_retry_after() -> None:
     async def main() -> None:
-        q = AdmissionQueue(Limits(1, 10**9), max_wait_s={"normal": 0.05})
+        q = AdmissionQueue(AdmissionLimits(1, 10**9), max_wait_s={"normal": 0.05})
         held = await q.admit("normal", 1, 1)
         with pytest.raises(Rejected) as info:
             await q.admit("normal", 1, 1)
@@ -107,7 +107,7 @@ def test_wait_limit_answers_429_with_retry_after() -> None:
 
 def test_full_queue_sheds_lowest_priority_for_higher_and_refuses_equal() -> None:
     async def main() -> None:
-        q = AdmissionQueue(Limits(1, 10**9), max_queue_len=2)
+        q = AdmissionQueue(AdmissionLimits(1, 10**9), max_queue_len=2)
         held = await q.admit("high", 1, 1)
         low = asyncio.create_task(q.admit("low", 1, 1))
         normal = asyncio.create_task(q.admit("normal", 1, 1))
@@ -131,7 +131,7 @@ def test_full_queue_sheds_lowest_priority_for_higher_and_refuses_equal() -> None
 
 def test_cancelled_waiter_leaves_the_queue_and_takes_no_slot() -> None:
     async def main() -> None:
-        q = AdmissionQueue(Limits(1, 10**9))
+        q = AdmissionQueue(AdmissionLimits(1, 10**9))
         held = await q.admit("normal", 1, 1)
         waiter = asyncio.create_task(q.admit("normal", 1, 1))
         await asyncio.sleep(0.01)
@@ -152,7 +152,7 @@ def test_prefill_pace_spreads_admissions() -> None:
         # next waits for 200 tokens (0.2 s), each after it for 100 (0.1 s): 0.8 s for 8.
         loop = asyncio.get_running_loop()
         q = AdmissionQueue(
-            Limits(100, 10**9, prefill_tok_s=1_000.0), prefill_burst_s=0.1, clock=loop.time
+            AdmissionLimits(100, 10**9, prefill_tok_s=1_000.0), prefill_burst_s=0.1, clock=loop.time
         )
         t0 = loop.time()
         granted, slots = [], []
@@ -174,7 +174,7 @@ def test_the_most_urgent_class_does_not_wait_for_the_pace() -> None:
         # the bucket is empty, and is charged to it: the normal one behind it waits for both.
         loop = asyncio.get_running_loop()
         q = AdmissionQueue(
-            Limits(100, 10**9, prefill_tok_s=1_000.0), prefill_burst_s=0.1, clock=loop.time
+            AdmissionLimits(100, 10**9, prefill_tok_s=1_000.0), prefill_burst_s=0.1, clock=loop.time
         )
         t0 = loop.time()
         first = await q.admit("normal", 100, 100)  # into an empty upstream: bucket at -100
@@ -190,7 +190,7 @@ def test_the_most_urgent_class_does_not_wait_for_the_pace() -> None:
 
 def test_valley_fill_keeps_a_reserve_from_deferrable_work() -> None:
     async def main() -> None:
-        q = AdmissionQueue(Limits(10, 10**9), valley_fill=True, fill_reserve_frac=0.2)
+        q = AdmissionQueue(AdmissionLimits(10, 10**9), valley_fill=True, fill_reserve_frac=0.2)
         lows = [await q.admit("low", 1, 1) for _ in range(8)]
         blocked = asyncio.create_task(q.admit("low", 1, 1))
         await asyncio.sleep(0.01)
@@ -206,7 +206,7 @@ def test_valley_fill_keeps_a_reserve_from_deferrable_work() -> None:
 
 def test_drain_answers_queued_with_503_and_refuses_new() -> None:
     async def main() -> None:
-        q = AdmissionQueue(Limits(1, 10**9))
+        q = AdmissionQueue(AdmissionLimits(1, 10**9))
         held = await q.admit("normal", 1, 1)
         waiting = asyncio.create_task(q.admit("normal", 1, 1))
         await asyncio.sleep(0.01)
@@ -230,7 +230,7 @@ def test_the_reserve_comes_with_its_share_of_kv_tokens() -> None:
     waited behind batch work that had filled the KV budget (the cap is per batch slot)."""
 
     async def main() -> None:
-        q = AdmissionQueue(Limits(2, 200, None, reserve_requests=1))
+        q = AdmissionQueue(AdmissionLimits(2, 200, None, reserve_requests=1))
         a = await q.admit("normal", 100, 1)
         b = await q.admit("low", 100, 1)  # the batch and its KV budget are full
         high = await asyncio.wait_for(q.admit("high", 100, 1), 1.0)
@@ -247,7 +247,7 @@ def test_the_reserve_comes_with_its_share_of_kv_tokens() -> None:
 
 def test_the_top_class_may_take_the_reserve_beyond_the_batch_limit() -> None:
     async def main() -> None:
-        q = AdmissionQueue(Limits(2, 10**9, None, reserve_requests=1))
+        q = AdmissionQueue(AdmissionLimits(2, 10**9, None, reserve_requests=1))
         a = await q.admit("normal", 1, 1)
         b = await q.admit("low", 1, 1)
         blocked = asyncio.ensure_future(q.admit("normal", 1, 1))

@@ -25,7 +25,7 @@ from faults import running_proxy, upstream
 
 from powerbatch.admission import AdmissionQueue
 from powerbatch.cli.replay import replay, summarize
-from powerbatch.control import ControlConfig, Decision, Limits, Observation
+from powerbatch.control import AdmissionLimits, ControlConfig, Decision, Observation
 from powerbatch.control.controller import Controller
 from powerbatch.control.window import FeatureWindow, ReadingAligner
 from powerbatch.errors import SensorReadError
@@ -80,7 +80,7 @@ class Timed:
 
 def _governor(source: Any, clock: Any = time.monotonic, **cfg: Any) -> Governor:
     config = ControlConfig(ceiling_w=1000.0, warmup_s=0.0, **cfg)
-    queue = AdmissionQueue(Limits(config.initial_batch, config.max_kv_tokens, None))
+    queue = AdmissionQueue(AdmissionLimits(config.initial_batch, config.max_kv_tokens, None))
     monitor = PowerMonitor(source, interval_s=0.1, stale_after_s=1.0, clock=clock)
     return Governor(Controller(config), queue, monitor, ProxyMetrics())
 

@@ -23,7 +23,7 @@ from faults import Behaviour, FaultyUpstream, Proxy, chat_body, running_proxy, u
 from helpers import async_wait_until
 
 from powerbatch.admission import AdmissionQueue
-from powerbatch.control import Limits
+from powerbatch.control import AdmissionLimits
 
 CHAT = "/v1/chat/completions"
 BATCH = 2
@@ -195,7 +195,7 @@ def test_retry_after_follows_the_measured_service_rate() -> None:
 
     async def go() -> None:
         now = [0.0]
-        q = AdmissionQueue(Limits(1, 10**9), max_queue_len=50, clock=lambda: now[0])
+        q = AdmissionQueue(AdmissionLimits(1, 10**9), max_queue_len=50, clock=lambda: now[0])
         slot = await q.admit("normal", 1, 1)
         waiting = [asyncio.create_task(q.admit("normal", 1, 1)) for _ in range(40)]
         await asyncio.sleep(0)
@@ -220,7 +220,7 @@ def test_waiters_that_leave_leave_no_records() -> None:
     """Cancelled, expired and shed waiters are dropped, not kept: memory is bounded by the queue."""
 
     async def go() -> None:
-        q = AdmissionQueue(Limits(1, 10**9), max_queue_len=5, max_wait_s={"low": 0.01})
+        q = AdmissionQueue(AdmissionLimits(1, 10**9), max_queue_len=5, max_wait_s={"low": 0.01})
         held = await q.admit("high", 1, 1)  # the only slot, never released: nothing dispatches
         keeper = asyncio.create_task(q.admit("normal", 1, 1))  # one live waiter throughout
         for _ in range(2000):

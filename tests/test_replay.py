@@ -29,7 +29,7 @@ def _trace(path: Path) -> None:
                 kv_tokens_in_flight=800.0 * n,
                 prefill_tok_s=60.0 * n,
                 decode_tok_s=30.0 * n,
-                queue_len=20.0,
+                queued=20.0,
             )
         )
     write_trace(path, rows)
@@ -87,3 +87,10 @@ def test_replay_rejects_a_malformed_trace(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "not a number" in proc.stderr
+
+
+def test_a_trace_written_before_queue_len_was_renamed_reads_its_queue(tmp_path: Path) -> None:
+    path = tmp_path / "old.csv"
+    path.write_text("t_s,power_w,queue_len\n0.0,300.0,7\n0.2,301.0,\n")
+    rows = list(read_trace(path))
+    assert [r.queued for r in rows] == [7.0, None]

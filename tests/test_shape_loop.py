@@ -9,7 +9,7 @@ import pytest
 
 from powerbatch.admission import AdmissionQueue
 from powerbatch.cli.serve import queue_counts
-from powerbatch.control import ControlConfig, Limits
+from powerbatch.control import AdmissionLimits, ControlConfig
 from powerbatch.control.config import ShapeSettings
 from powerbatch.control.controller import Controller
 from powerbatch.proxy import Governor, ProxyMetrics
@@ -34,7 +34,7 @@ class Timed:
 
 def governor(src: Timed, shape: ShapeSettings, *, planned: bool = False, **kw: Any) -> Governor:
     config = ControlConfig(ceiling_w=1000.0, warmup_s=0.0)
-    queue = AdmissionQueue(Limits(8, config.max_kv_tokens, None), valley_fill=True)
+    queue = AdmissionQueue(AdmissionLimits(8, config.max_kv_tokens, None), valley_fill=True)
     monitor = PowerMonitor(src, interval_s=0.1, stale_after_s=1.0, clock=lambda: src.t)
     controller = Controller(config, shape=shape)
     if planned:
@@ -55,7 +55,7 @@ def run_seconds(gov: Governor, src: Timed, watts: list[float]) -> None:
 
 def test_queue_holds_and_releases_deferrable_work() -> None:
     async def go() -> list[int]:
-        q = AdmissionQueue(Limits(10, 10**9, None), valley_fill=True)
+        q = AdmissionQueue(AdmissionLimits(10, 10**9, None), valley_fill=True)
         seen = []
         slots = [await q.admit("high", 1, 1) for _ in range(9)]  # one place left
         low = asyncio.create_task(q.admit("low", 1, 1))

@@ -35,7 +35,7 @@ from powerbatch_vllm.plugin import _in_use
 
 from powerbatch.cli import serve
 from powerbatch.cli.settings import SERVE
-from powerbatch.control import Limits
+from powerbatch.control import AdmissionLimits
 from powerbatch.errors import ConfigError
 from powerbatch.settings import load
 from powerbatch.shape.runner import PlanRunner
@@ -132,20 +132,23 @@ def test_plugin_registers_only_when_used() -> None:
 
 
 def test_engine_limits_are_clamped_to_vllm() -> None:
-    lim = engine_limits(Limits(500, 10**9, 4000.0), CAPS, step_s=0.02)
+    lim = engine_limits(AdmissionLimits(500, 10**9, 4000.0), CAPS, step_s=0.02)
     assert lim.max_active_reqs == 64 and lim.max_kv_blocks == 511
     assert lim.prefill_tokens_per_step == 80  # 4000 tok/s x 20 ms
     assert lim.step_tokens(CAPS, running=10) == 10 + 80
     assert lim.step_tokens(CAPS, running=64) <= CAPS.max_step_tokens
-    small = engine_limits(Limits(4, 100, 10.0), CAPS, step_s=0.02, min_step_tokens=32)
+    small = engine_limits(AdmissionLimits(4, 100, 10.0), CAPS, step_s=0.02, min_step_tokens=32)
     assert small.max_active_reqs == 4 and small.max_kv_blocks == 7  # ceil(100 / 16)
     assert small.step_tokens(CAPS, running=4) == 4 + 32  # decodes always fit, plus the floor
 
 
 def test_prefill_unpaced_without_step_time_or_chunking() -> None:
-    assert engine_limits(Limits(8, 100, 4000.0), CAPS, step_s=None).prefill_tokens_per_step is None
+    assert (
+        engine_limits(AdmissionLimits(8, 100, 4000.0), CAPS, step_s=None).prefill_tokens_per_step
+        is None
+    )
     no_chunk = EngineCaps(64, 2048, 511, 16, chunked_prefill=False)
-    lim = engine_limits(Limits(8, 100, 4000.0), no_chunk, step_s=0.02)
+    lim = engine_limits(AdmissionLimits(8, 100, 4000.0), no_chunk, step_s=0.02)
     assert lim.step_tokens(no_chunk, running=8) == 2048
     assert EngineLimits.unlimited(CAPS).step_tokens(CAPS, 64) == 2048
 

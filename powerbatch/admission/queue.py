@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from powerbatch.admission.priority import DEFERRABLE, PRIORITIES, rank
-from powerbatch.control import Limits
+from powerbatch.control import AdmissionLimits
 from powerbatch.errors import RequestError
 from powerbatch.telemetry.filters import ewma_step
 
@@ -76,7 +76,7 @@ class QueueStats:
 class AdmissionQueue:
     def __init__(
         self,
-        limits: Limits,
+        limits: AdmissionLimits,
         *,
         max_queue_len: int = 1_000,
         max_wait_s: Mapping[str, float] | None = None,
@@ -121,7 +121,7 @@ class AdmissionQueue:
     def queued_by_class(self) -> dict[str, int]:
         return dict(self._live)
 
-    def set_limits(self, limits: Limits) -> None:
+    def set_limits(self, limits: AdmissionLimits) -> None:
         self.limits = limits
         self._dispatch()
 

@@ -149,7 +149,7 @@ async def _poll(
                     "limit_w": limit.get("in_force_w"),
                     "batch": (doc["limits"]["enforced"] or {}).get("max_requests"),
                     "in_flight": queue.get("in_flight"),
-                    "waiting": queue.get("waiting"),
+                    "queued": queue.get("queued_total"),
                     "binding": doc.get("binding"),
                     "predicted_w": doc["power"].get("predicted_w"),
                     **{f"bid_{k}": v for k, v in bid.items()},

@@ -55,7 +55,7 @@ def replay(rows: Iterator[TraceRow], config: ControlConfig) -> Iterator[tuple[Tr
             sensor_ok=True,
             features=features,
             in_flight=int(row.requests_in_flight or 0),
-            queued=int(row.queue_len or 0),
+            queued=int(row.queued or 0),
             reading_features=measured,
             reading_weight=weight,
         )

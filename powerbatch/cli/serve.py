@@ -13,7 +13,7 @@ from aiohttp import web
 
 from powerbatch.admission import AdmissionQueue
 from powerbatch.cli.settings import ServeSettings
-from powerbatch.control import Limits, prior_max_w
+from powerbatch.control import AdmissionLimits, prior_max_w
 from powerbatch.control.controller import Controller
 from powerbatch.control.record import open_trace
 from powerbatch.errors import ConfigError, PowerbatchError, TelemetryError
@@ -153,9 +153,9 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
     if max_w != cfg.max_w:
         cfg = dataclasses.replace(cfg, max_w=max_w)
     controller = Controller(cfg, shape=s.shape)
-    initial = Limits(cfg.initial_batch, cfg.max_kv_tokens, None)
+    initial = AdmissionLimits(cfg.initial_batch, cfg.max_kv_tokens, None)
     if cfg.mode == "observe":
-        initial = Limits(cfg.max_batch, cfg.max_kv_tokens, None)
+        initial = AdmissionLimits(cfg.max_batch, cfg.max_kv_tokens, None)
     a = s.admission
     queue = AdmissionQueue(
         initial,

@@ -1,7 +1,7 @@
 """Control: the decision each tick, from measured power, the learned model and latency.
 
 This package's top level is light (plain data, enums, settings): the admission queue imports
-`Limits` from here without loading numpy. The controller itself is
+`AdmissionLimits` from here without loading numpy. The controller itself is
 `powerbatch.control.controller.Controller`, the loop both hosts run `powerbatch.control.loop`.
 """
 
@@ -9,16 +9,17 @@ from powerbatch.control.config import ControlConfig, Gains, Mode, ShapeSettings,
 from powerbatch.control.latency import LatencySnapshot, LatencyWindow
 from powerbatch.control.types import (
     CONSTRAINTS,
+    AdmissionLimits,
     Binding,
     Decision,
     Deferrable,
-    Limits,
     Observation,
     State,
 )
 
 __all__ = [
     "CONSTRAINTS",
+    "AdmissionLimits",
     "Binding",
     "ControlConfig",
     "Decision",
@@ -26,7 +27,6 @@ __all__ = [
     "Gains",
     "LatencySnapshot",
     "LatencyWindow",
-    "Limits",
     "Mode",
     "Observation",
     "ShapeSettings",

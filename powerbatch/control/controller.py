@@ -41,10 +41,10 @@ from powerbatch.control.laws.power import PowerLaw
 from powerbatch.control.laws.ramp import RampLaw
 from powerbatch.control.laws.sensor import SensorGate
 from powerbatch.control.types import (
+    AdmissionLimits,
     Binding,
     Decision,
     Deferrable,
-    Limits,
     Observation,
     State,
 )
@@ -200,7 +200,7 @@ class Controller:
         idx = self._batch - cfg.min_batch
         return self._decide(
             obs,
-            Limits(self._batch, kv_cap, pace, reserve),
+            AdmissionLimits(self._batch, kv_cap, pace, reserve),
             state=state,
             binding=binding,
             mean_w=float(pred.mean_w[idx]),
@@ -222,7 +222,7 @@ class Controller:
         kv_cap = self.kv.cap(self._batch, self.demand.per_request.kv_tokens)
         return self._decide(
             obs,
-            Limits(self._batch, kv_cap, cfg.min_prefill_tok_s),
+            AdmissionLimits(self._batch, kv_cap, cfg.min_prefill_tok_s),
             state=State.FAIL_CLOSED,
             binding=Binding.SENSOR,
             reason=f"no trustworthy power reading ({why}); "
@@ -268,7 +268,7 @@ class Controller:
     def _decide(
         self,
         obs: Observation,
-        proposed: Limits,
+        proposed: AdmissionLimits,
         *,
         state: State,
         binding: Binding,
@@ -283,10 +283,11 @@ class Controller:
         cfg = self.config
         ceiling_w = obs.ceiling_w if obs.ceiling_w is not None else cfg.ceiling_w
         observing = cfg.mode == Mode.OBSERVE
+        maxima = AdmissionLimits(cfg.max_batch, cfg.max_kv_tokens, None)
         self.last = Decision(
             t_s=obs.t_s,
             # Observing enforces nothing, the device limit included.
-            enforced=Limits(cfg.max_batch, cfg.max_kv_tokens, None) if observing else proposed,
+            enforced=maxima if observing else proposed,
             proposed=proposed,
             state=state,
             binding=binding,

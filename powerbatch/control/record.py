@@ -59,7 +59,7 @@ class TickRecord:
             kv_tokens_in_flight=f.kv_tokens,
             prefill_tok_s=f.prefill_tok_s,
             decode_tok_s=f.decode_tok_s,
-            queue_len=float(self.queued),
+            queued=float(self.queued),
             raw_w=self.raw_w,
             limit_requests=float(self.limit_requests),
             limit_kv_tokens=float(self.limit_kv_tokens),

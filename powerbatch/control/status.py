@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from powerbatch.control.config import ControlConfig
 from powerbatch.control.latency import LatencySnapshot
-from powerbatch.control.types import Decision, Limits, State
+from powerbatch.control.types import AdmissionLimits, Decision, State
 from powerbatch.jsonsafe import json_safe
 from powerbatch.telemetry.monitor import PowerReading
 
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from powerbatch.control.loop import HostSample
 
 
-def _limits(x: Limits | None) -> dict[str, Any] | None:
+def _limits(x: AdmissionLimits | None) -> dict[str, Any] | None:
     if x is None:
         return None
     return {
@@ -82,7 +82,7 @@ def status_document(
         "queue": {
             "in_flight": host.in_flight if host else 0,
             "kv_tokens_in_flight": host.kv_tokens if host else 0.0,
-            "waiting": host.queued if host else 0,
+            "queued_total": host.queued if host else 0,
         },
         "model": dict(model),
         "power_limit": power_limit,

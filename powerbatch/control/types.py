@@ -1,7 +1,7 @@
 """What the controller reads and writes each tick: plain data and the enums that name its states.
 
-Nothing here imports numpy, so the admission queue (which only enforces `Limits`) stays light.
-The enums are `StrEnum`s: they print, compare and serialise as the strings `/status`, the
+Nothing here imports numpy, so the admission queue (it only enforces `AdmissionLimits`) stays
+light. The enums are `StrEnum`s: they print, compare and serialise as the strings `/status`, the
 metrics and the trace have always carried.
 """
 
@@ -54,8 +54,9 @@ CONSTRAINTS: tuple[str, ...] = ("power", "latency", "kv")
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
-    """What admission enforces. `prefill_tok_s` None means prefill is not paced."""
+class AdmissionLimits:
+    """What admission enforces (the device's own power limit is `power_limit_w`, a number).
+    `prefill_tok_s` None means prefill is not paced."""
 
     max_requests: int
     max_kv_tokens: int
@@ -99,8 +100,8 @@ class Observation:
 @dataclass(frozen=True, slots=True)
 class Decision:
     t_s: float
-    enforced: Limits  # what admission applies (in observe mode: the configured maxima)
-    proposed: Limits  # what the controller would enforce
+    enforced: AdmissionLimits  # what admission applies (in observe mode: the configured maxima)
+    proposed: AdmissionLimits  # what the controller would enforce
     state: State
     binding: Binding
     power_w: float | None

@@ -16,7 +16,7 @@ from typing import Any
 
 from powerbatch.admission import PRIORITIES, AdmissionQueue
 from powerbatch.admission.priority import DEFERRABLE
-from powerbatch.control import Decision, LatencySnapshot, LatencyWindow, Limits
+from powerbatch.control import AdmissionLimits, Decision, LatencySnapshot, LatencyWindow
 from powerbatch.control.controller import Controller
 from powerbatch.control.loop import CeilingSource, ControlLoop, HostSample, LimitsSink, PlanSource
 from powerbatch.control.record import TickRecord
@@ -49,7 +49,7 @@ class AdmissionSink:
         self.queue.set_deferrable("default")
         cfg, limits = self.config, self.queue.limits
         if cfg.mode == "enforce" and limits.max_requests > cfg.safe_batch:
-            self.queue.set_limits(Limits(cfg.safe_batch, limits.max_kv_tokens, None))
+            self.queue.set_limits(AdmissionLimits(cfg.safe_batch, limits.max_kv_tokens, None))
 
 
 class ProxyFeatures:
@@ -98,7 +98,7 @@ class ProxyFeatures:
             "queue": {  # live, not as of the last tick: operators and tests read it after work
                 "in_flight": q.in_flight,
                 "kv_tokens_in_flight": float(q.kv_in_flight),
-                "waiting": q.queued,
+                "queued_total": q.queued,
                 "queued": q.queued_by_class(),
                 "admitted_total": q.stats.admitted_total,
                 "draining": q.draining,

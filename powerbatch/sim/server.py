@@ -745,7 +745,7 @@ def trace_rows(engine: SimEngine, since_s: float = -math.inf) -> Iterator[TraceR
             kv_tokens_in_flight=float(rec.kv_tokens),
             prefill_tok_s=rec.prefill_tokens / rec.step_s,
             decode_tok_s=rec.decode_tokens / rec.step_s,
-            queue_len=float(rec.waiting),
+            queued=float(rec.waiting),
         )
 
 

@@ -34,7 +34,7 @@ class TraceRow:
     kv_tokens_in_flight: float | None = None
     prefill_tok_s: float | None = None
     decode_tok_s: float | None = None
-    queue_len: float | None = None
+    queued: float | None = None
     raw_w: float | None = None  # the latest sample as the source reported it, unfiltered
     limit_requests: float | None = None  # proposed by the recording controller
     limit_kv_tokens: float | None = None
@@ -45,6 +45,7 @@ class TraceRow:
 
 TRACE_COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(TraceRow))
 TEXT_COLUMNS: frozenset[str] = frozenset({"state", "binding"})
+RENAMED: dict[str, str] = {"queued": "queue_len"}  # the column's name in traces before 2026-12
 
 
 def _parse(value: str | None, column: str, line: int, required: bool) -> float | None:
@@ -86,7 +87,7 @@ def _read_one(path: Path) -> Iterator[TraceRow]:
         for line, record in enumerate(reader, start=2):
             values: dict[str, object] = {}
             for name in TRACE_COLUMNS:
-                raw = record.get(name)
+                raw = record.get(name, record.get(RENAMED.get(name, name)))
                 if name in TEXT_COLUMNS:
                     values[name] = raw or None
                 else:

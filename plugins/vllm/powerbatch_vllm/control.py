@@ -106,7 +106,7 @@ class EngineFeatures:
             "queue": {  # live, not as of the last tick
                 "in_flight": int(snap["running"]),
                 "kv_tokens_in_flight": snap["kv_committed_tokens"],
-                "waiting": int(snap["waiting"]),
+                "queued_total": int(snap["waiting"]),  # vLLM calls them waiting
             },
             "engine": {
                 "limits": {

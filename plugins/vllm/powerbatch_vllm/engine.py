@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from powerbatch.control import LatencySnapshot, LatencyWindow, Limits
+from powerbatch.control import AdmissionLimits, LatencySnapshot, LatencyWindow
 from powerbatch.shape.planner import QueueCounts
 from powerbatch.telemetry.filters import ewma_step
 
@@ -65,7 +65,7 @@ class EngineLimits:
 
 
 def engine_limits(
-    limits: Limits,
+    limits: AdmissionLimits,
     caps: EngineCaps,
     *,
     step_s: float | None,
