@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from powerbatch.admission.priority import DEFERRABLE, PRIORITIES, rank
-from powerbatch.control import AdmissionLimits
+from powerbatch.control import AdmissionLimits, Deferrable
 from powerbatch.errors import RequestError
 from powerbatch.telemetry.filters import ewma_step
 
@@ -93,7 +93,7 @@ class AdmissionQueue:
         self.valley_fill = valley_fill
         # With valley filling, what the controller's shape laws say of deferrable work:
         # default (keep the reserve), hold (wait while anything runs), release (no reserve).
-        self.deferrable = "default"
+        self.deferrable = Deferrable.DEFAULT
         self.fill_reserve_frac = fill_reserve_frac
         self.prefill_burst_s = prefill_burst_s
         self._clock = clock
@@ -125,8 +125,9 @@ class AdmissionQueue:
         self.limits = limits
         self._dispatch()
 
-    def set_deferrable(self, mode: str) -> None:
-        """default | hold | release (see powerbatch.control.controller.DEFERRABLE_MODES)."""
+    def set_deferrable(self, mode: Deferrable | str) -> None:
+        """What the controller's shape laws say of deferrable work (a `Deferrable`)."""
+        mode = Deferrable(mode)
         if mode != self.deferrable:
             self.deferrable = mode
             self._dispatch()
@@ -218,9 +219,9 @@ class AdmissionQueue:
             allowed += lim.reserve_requests
             kv_allowed += lim.max_kv_tokens * lim.reserve_requests // max(lim.max_requests, 1)
         if self.valley_fill and priority == DEFERRABLE:
-            if self.deferrable == "hold" and self.in_flight:
+            if self.deferrable is Deferrable.HOLD and self.in_flight:
                 return False
-            if self.deferrable != "release":
+            if self.deferrable is not Deferrable.RELEASE:
                 allowed -= math.ceil(self.fill_reserve_frac * lim.max_requests)
         if self.in_flight >= max(allowed, 1):
             return False

@@ -16,7 +16,13 @@ from typing import Any
 
 from powerbatch.admission import PRIORITIES, AdmissionQueue
 from powerbatch.admission.priority import DEFERRABLE
-from powerbatch.control import AdmissionLimits, Decision, LatencySnapshot, LatencyWindow
+from powerbatch.control import (
+    AdmissionLimits,
+    Decision,
+    Deferrable,
+    LatencySnapshot,
+    LatencyWindow,
+)
 from powerbatch.control.controller import Controller
 from powerbatch.control.loop import CeilingSource, ControlLoop, HostSample, LimitsSink, PlanSource
 from powerbatch.control.record import TickRecord
@@ -46,7 +52,7 @@ class AdmissionSink:
         self.queue.set_deferrable(decision.deferrable)
 
     def fail_safe(self) -> None:
-        self.queue.set_deferrable("default")
+        self.queue.set_deferrable(Deferrable.DEFAULT)
         cfg, limits = self.config, self.queue.limits
         if cfg.mode == "enforce" and limits.max_requests > cfg.safe_batch:
             self.queue.set_limits(AdmissionLimits(cfg.safe_batch, limits.max_kv_tokens, None))
