@@ -65,7 +65,8 @@ def pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def container(obj: dict[str, Any], name: str) -> dict[str, Any]:
-    (c,) = [c for c in pod_spec(obj)["containers"] if c["name"] == name]
+    found: list[dict[str, Any]] = [c for c in pod_spec(obj)["containers"] if c["name"] == name]
+    (c,) = found
     return c
 
 
