@@ -507,3 +507,44 @@ def test_prometheus_rule_and_dashboard_reach_their_consumers() -> None:
     board = objects("ConfigMap")["powerbatch-dashboard"]
     assert board["metadata"]["labels"]["grafana_dashboard"] == "1"  # the Grafana sidecar's label
     assert len(yaml.safe_dump(board)) < 262144, "over kubectl apply's annotation limit"
+
+
+# ---- docs/kubernetes.md ----------------------------------------------------------------------
+
+
+def _secret_refs() -> dict[str, set[str]]:
+    """Secret name -> the keys the manifests read from it."""
+    refs: dict[str, set[str]] = {}
+    for _, obj in workloads():
+        spec = pod_spec(obj)
+        for c in spec["containers"]:
+            for var in c.get("env", []):
+                ref = var.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    refs.setdefault(ref["name"], set()).add(ref["key"])
+        for v in spec.get("volumes", []):
+            if "secret" in v:
+                items = v["secret"].get("items") or [{"key": "*"}]
+                refs.setdefault(v["secret"]["secretName"], set()).update(i["key"] for i in items)
+    return refs
+
+
+def test_kubernetes_doc_names_every_file_image_and_secret() -> None:
+    doc = (ROOT / "docs" / "kubernetes.md").read_text()
+    for path in sorted(K8S.rglob("*")):
+        if path.is_file() and path.suffix in (".yaml", ".py"):
+            assert f"`{path.relative_to(K8S).as_posix()}`" in doc, f"docs lack {path.name}"
+    for where, obj in workloads():
+        for c in pod_spec(obj)["containers"]:
+            if not c["image"].startswith("powerbatch:"):
+                assert f"`{c['image']}`" in doc, f"{where}: image {c['image']} undocumented"
+    created = {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"create secret generic ([\w-]+)((?:\\\n|[^\n])*)", doc)
+    }
+    for name, keys in _secret_refs().items():
+        assert name in created, f"docs/kubernetes.md does not create Secret {name}"
+        for key in keys - {"*"}:
+            assert re.search(rf"--from-(file|literal)={key}=", created[name]), (name, key)
+    assert "(operations.md#rolling-out)" in doc
+    assert "kubernetes.md" in (ROOT / "docs" / "operations.md").read_text()
