@@ -41,7 +41,7 @@ ENV PATH=/opt/powerbatch/bin:$PATH \
 WORKDIR /var/lib/powerbatch
 # Numeric, so Kubernetes' runAsNonRoot can check it. The hardware backstop (NVML power limit)
 # needs uid 0 plus CAP_SYS_ADMIN: see docs/operations.md, "Permissions".
-USER 10001:10001
+USER ${UID}:${UID}
 EXPOSE 8000
 # Liveness only (/health). Readiness, which also needs the upstream, is GET /ready.
 # The simulator service points POWERBATCH_HEALTH_URL at its own port.

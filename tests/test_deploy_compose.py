@@ -151,6 +151,23 @@ def listening_port(name: str, svc: Mapping[str, Any]) -> int:
     return DEFAULT_PORTS[name]
 
 
+def admin_port(svc: Mapping[str, Any]) -> int | None:
+    """powerbatch's admin listener (/metrics, /status without client keys), where set."""
+    port = (svc.get("environment") or {}).get("POWERBATCH_ADMIN_PORT")
+    return int(port) if port is not None else None
+
+
+def served_ports(name: str, svc: Mapping[str, Any]) -> set[int]:
+    admin = admin_port(svc)
+    return {listening_port(name, svc)} | ({admin} if admin is not None else set())
+
+
+def published_host_port(entry: Any) -> tuple[str, str]:
+    """(host address, host port) of a `ports:` entry ("8000:8000", "127.0.0.1:3000:3000")."""
+    parts = str(entry).split(":")
+    return ("0.0.0.0" if len(parts) == 2 else parts[0]), parts[-2]
+
+
 def bind_mounts(svc: Mapping[str, Any]) -> list[tuple[Path, str]]:
     """(host path, container path) of each bind mount with a path relative to the project."""
     out = []
@@ -282,9 +299,9 @@ def test_compose_dependencies_and_targets_stay_inside_their_profile() -> None:
                         continue
                     assert host in hosts, f"{profile}: {name} points at unknown host {host}"
                     target = hosts[host]
-                    assert int(port) == listening_port(target, services[target]), (name, arg)
+                    assert int(port) in served_ports(target, services[target]), (name, arg)
         published = [
-            str(p).split(":")[0] for svc in services.values() for p in svc.get("ports") or []
+            published_host_port(p)[1] for svc in services.values() for p in svc.get("ports") or []
         ]
         assert len(published) == len(set(published)), f"{profile}: a host port published twice"
 
@@ -317,13 +334,55 @@ def test_gpu_profile_wiring_follows_the_variables() -> None:
     (device,) = vllm["deploy"]["resources"]["reservations"]["devices"]
     assert device["device_ids"] == ["2,3"]
     assert "ports" not in vllm, "clients must not bypass the proxy"
-    # NVML: device nodes and the driver's utility libraries; SYS_ADMIN for the power-limit backstop.
+    # NVML: device nodes and the driver's utility libraries, read as the unprivileged user.
     (device,) = proxy["deploy"]["resources"]["reservations"]["devices"]
     assert {"gpu", "utility"} <= set(device["capabilities"])
-    assert "SYS_ADMIN" in proxy["cap_add"]
+    assert "cap_add" not in proxy, "a capability is no use to a non-root user"
+    assert proxy["user"] != "0"
+    assert "cap_add" not in services["dcgm-exporter"], "no profiling fields: no SYS_ADMIN"
     assert services["dcgm-exporter"]["volumes"], "dcgm-exporter needs its counters file"
     collect_ms = int(flag(command(services["dcgm-exporter"]), "-c"))
     assert collect_ms <= 1000, "dcgm-exporter's default 30 s interval is too slow"
+
+
+def test_backstop_override_runs_the_proxy_as_root_with_sys_admin() -> None:
+    """deploy/compose/backstop.yml, merged as compose merges a second -f file."""
+    from powerbatch.cli.settings import SERVE
+    from powerbatch.settings import load
+
+    override = yaml.safe_load((ROOT / "deploy" / "compose" / "backstop.yml").read_text())
+    assert set(override["services"]) == {"powerbatch-gpu"}
+    base = load_compose()["services"]["powerbatch-gpu"]
+    extra = override["services"]["powerbatch-gpu"]
+    merged = {**base, **extra, "environment": {**base["environment"], **extra["environment"]}}
+    assert merged["user"] == "0" and merged["cap_add"] == ["SYS_ADMIN"]
+    env = {k: str(v) for k, v in merged["environment"].items() if k != "POWERBATCH_CONFIG"}
+    opts = load(SERVE, environ={**env, "POWERBATCH_UPSTREAM": "http://vllm:8000"})
+    assert opts.hardware_backstop is True
+
+
+def test_images_are_pinned_and_consoles_listen_on_loopback() -> None:
+    compose = load_compose()
+    for name, svc in compose["services"].items():
+        image = svc["image"]
+        tag = image.rsplit("/", 1)[-1].partition(":")[2]
+        assert tag and tag != "latest" and not re.fullmatch(r"\d+(-\w+)?", tag), (name, image)
+    for name in ("grafana", "prometheus", "prometheus-gpu", "prometheus-fleet"):
+        for entry in compose["services"][name]["ports"]:
+            assert published_host_port(entry)[0] == "127.0.0.1", (
+                f"{name} published on all interfaces"
+            )
+    grafana = compose["services"]["grafana"]["environment"]
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    # Each profile keeps its own Prometheus data: a sim run does not mix into a GPU host's.
+    data = [
+        str(v).split(":")[0]
+        for n, svc in compose["services"].items()
+        if n.startswith("prometheus")
+        for v in svc["volumes"]
+        if not str(v).startswith("./")
+    ]
+    assert len(data) == len(set(data)), data
 
 
 def test_powerbatch_settings_in_compose_are_valid() -> None:
@@ -353,9 +412,13 @@ def test_powerbatch_settings_in_compose_are_valid() -> None:
 def test_dockerfile_is_small_non_root_with_healthcheck() -> None:
     keywords = [k for k, _ in final_stage()]
     assert "HEALTHCHECK" in keywords
+    args = dict(r.partition("=")[::2] for k, r in final_stage() if k == "ARG")
     (user,) = [r for k, r in final_stage() if k == "USER"]
-    uid = user.split(":")[0]
+    uid = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], user.split(":")[0])
     assert uid.isdigit() and int(uid) != 0, "run as a numeric non-root user"
+    assert "${UID}" in user, "USER follows ARG UID (docker build --build-arg UID=...)"
+    (useradd,) = [r for k, r in final_stage() if k == "RUN" and "useradd" in r]
+    assert '--uid "${UID}"' in useradd
     assert dockerfile_exec_form("ENTRYPOINT") == ["python", "-m", "powerbatch"]
     assert dockerfile_exec_form("HEALTHCHECK")[0] == "python"
     froms = [r for k, r in dockerfile_instructions() if k == "FROM"]
@@ -366,14 +429,19 @@ def test_dockerfile_is_small_non_root_with_healthcheck() -> None:
         assert not dockerignore_allows(excluded), excluded
 
 
-@pytest.mark.parametrize("profile", ["sim", "gpu"])
+@pytest.mark.parametrize("profile", ["sim", "gpu", "fleet"])
 def test_prometheus_config_is_valid_and_scrapes_the_profile(profile: str) -> None:
     compose = load_compose()
     services = services_in(compose, profile)
     hosts = names_and_aliases(services)
     (prom_name,) = [n for n in services if n.startswith("prometheus")]
-    (host_path,) = [h for h, t in bind_mounts(services[prom_name]) if t.endswith(".yml")]
+    mounts = {t: h for h, t in bind_mounts(services[prom_name])}
+    host_path = mounts["/etc/prometheus/prometheus.yml"]
     config = yaml.safe_load(host_path.read_text())
+    # The alert rules: named relative to the config, mounted beside it, the file k8s copies.
+    (rules,) = config["rule_files"]
+    assert mounts[f"/etc/prometheus/{rules}"] == ROOT / "deploy" / "prometheus" / "alerts.yml"
+    assert (host_path.parent / rules).is_file()
     assert set(config) <= {"global", "scrape_configs", "rule_files", "alerting"}
     duration = re.compile(r"^\d+(ms|s|m|h)$")
     for key in ("scrape_interval", "evaluation_interval", "scrape_timeout"):
@@ -387,9 +455,15 @@ def test_prometheus_config_is_valid_and_scrapes_the_profile(profile: str) -> Non
                 host, port = target.rsplit(":", 1)
                 assert host in hosts, f"{profile}: scrape target {target} is no service"
                 service = hosts[host]
-                assert int(port) == listening_port(service, services[service]), target
+                assert int(port) in served_ports(service, services[service]), target
+                if "powerbatch" in service:  # no client key is sent
+                    assert int(port) == admin_port(services[service]), f"{target}: admin port"
                 scraped.add(service)
-    expected = {"sim": {"powerbatch", "sim"}, "gpu": {"powerbatch-gpu", "vllm", "dcgm-exporter"}}
+    expected = {
+        "sim": {"powerbatch", "sim"},
+        "gpu": {"powerbatch-gpu", "vllm", "dcgm-exporter"},
+        "fleet": {"fleet-powerbatch-0", "fleet-powerbatch-1", "fleet-sim-0", "fleet-sim-1"},
+    }
     assert scraped == expected[profile]
     promtool = shutil.which("promtool")
     if promtool:  # the real validator where it is installed
@@ -452,10 +526,14 @@ class _Stack:
         self.services = services_in(self.compose, "sim")
         self.log_dir = log_dir
         self.ports: dict[str, int] = {}
+        self.admin_ports: dict[str, int] = {}  # a service's POWERBATCH_ADMIN_PORT, moved
         self.children: dict[str, Child] = {}
 
-    def url(self, service: str) -> str:
-        return f"http://127.0.0.1:{self.ports[service]}"
+    def url(self, service: str, path: str = "") -> str:
+        """The service's URL for `path`: /metrics and /status on the admin port where set."""
+        admin = path.startswith(("/metrics", "/status")) and service in self.admin_ports
+        port = self.admin_ports[service] if admin else self.ports[service]
+        return f"http://127.0.0.1:{port}{path}"
 
     def _rewrite(self, value: str, mounts: Mapping[str, Path]) -> str:
         hosts = names_and_aliases(self.services)
@@ -483,6 +561,8 @@ class _Stack:
         for key, value in image_env.items():
             if key.startswith(("POWERBATCH_", "PROMETHEUS_", "PYTHON")):
                 env[key] = self._rewrite(value, mounts)
+        if admin_port(svc) is not None:
+            env["POWERBATCH_ADMIN_PORT"] = str(self.admin_ports.setdefault(name, free_port()))
         if "POWERBATCH_HEALTH_URL" in env:  # the healthcheck probes the container's own port
             env["POWERBATCH_HEALTH_URL"] = re.sub(
                 r"127\.0\.0\.1:\d+", f"127.0.0.1:{self.ports[name]}", env["POWERBATCH_HEALTH_URL"]
@@ -505,7 +585,7 @@ class _Stack:
 
         def answered() -> tuple[bytes] | None:
             assert child.running(), f"{name} exited {child.returncode}:\n{self.log(name)}"
-            status, body = _get(self.url(name) + path)
+            status, body = _get(self.url(name, path))
             return (body,) if status == 200 else None
 
         (body,) = wait_until(
@@ -556,8 +636,9 @@ def test_sim_stack_starts_and_answers_as_compose_runs_it(sim_stack: _Stack) -> N
     body = json.dumps(
         {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
     ).encode()
+    assert stack.admin_ports, "compose gives powerbatch an admin port"
     request = urllib.request.Request(
-        stack.url("powerbatch") + "/v1/chat/completions",
+        stack.url("powerbatch", "/v1/chat/completions"),
         data=body,
         headers={"Content-Type": "application/json"},
     )

@@ -1,7 +1,8 @@
 """The Grafana dashboard and docs/metrics.md against the metrics the code really exports.
 
-Exported names come from the code, not from a list: ProxyMetrics' registry (powerbatch_*), and
-a scrape of the simulator's /metrics (vllm:* and DCGM_FI_*, the names vLLM and dcgm-exporter use).
+Exported names come from the code, not from a list: ProxyMetrics' and FleetMetrics' registries
+(powerbatch_*; a fleet member adds its gauges to the proxy's registry), and a scrape of the
+simulator's /metrics (vllm:* and DCGM_FI_*, the names vLLM and dcgm-exporter use).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from powerbatch.fleet.member import FleetMetrics
 from powerbatch.proxy.metrics import ProxyMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,9 +51,16 @@ def _names(families: Any) -> dict[str, str]:
     return out
 
 
+def powerbatch_families() -> list[Any]:
+    """Every powerbatch_* family an instance can export: the proxy's, and a fleet member's."""
+    registry = ProxyMetrics().registry
+    FleetMetrics(registry)
+    return list(registry.collect())
+
+
 @cache
 def proxy_metric_names() -> dict[str, str]:
-    return _names(ProxyMetrics().registry.collect())
+    return _names(powerbatch_families())
 
 
 @cache
@@ -166,7 +175,8 @@ def test_dashboard_queries_use_each_type_correctly() -> None:
 
 
 def test_dashboard_covers_the_operator_questions() -> None:
-    """Power vs ceiling, predicted vs measured, limits, binding, p95 vs SLO, queue, J/token."""
+    """Power vs ceiling, predicted vs measured, limits, binding, p95 vs SLO, queue, J/token,
+    the device limit, the fleet, readiness."""
     required = {
         "powerbatch_power_watts", "powerbatch_power_ceiling_watts",
         "powerbatch_power_predicted_watts", "powerbatch_power_predicted_upper_watts",
@@ -176,6 +186,12 @@ def test_dashboard_covers_the_operator_questions() -> None:
         "powerbatch_slo_seconds", "powerbatch_queue_length", "powerbatch_rejections_total",
         "powerbatch_output_tokens_total", "powerbatch_energy_joules",
         "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "DCGM_FI_DEV_POWER_USAGE",
+        # the device limit, the fleet's lease and shares, readiness and tick errors (issue 26)
+        "powerbatch_device_power_limit_watts", "DCGM_FI_DEV_POWER_MGMT_LIMIT",
+        "powerbatch_device_power_limit_degraded", "powerbatch_fleet_share_watts",
+        "powerbatch_fleet_leader", "powerbatch_fleet_fallback",
+        "powerbatch_fleet_lease_age_seconds", "powerbatch_ready",
+        "powerbatch_control_tick_errors_total",
     }  # fmt: skip
     for path, dash in dashboards():
         used = set().union(*(metric_names_in(e) for _, e in dashboard_queries(dash)))
@@ -203,7 +219,7 @@ def test_dashboard_is_provisionable() -> None:
 
 
 def test_proxy_metrics_follow_prometheus_conventions() -> None:
-    for family in ProxyMetrics().registry.collect():
+    for family in powerbatch_families():
         name = family.name
         assert re.fullmatch(r"powerbatch_[a-z][a-z0-9_]*", name), name
         assert not re.search(r"_(milliseconds|millis|ms|kilowatts|kw|percent)$", name), (
@@ -230,7 +246,9 @@ def _documented_families() -> dict[str, str]:
 
 def test_metrics_doc_lists_every_metric_with_its_labels() -> None:
     rows = _documented_families()
-    for family in ProxyMetrics().registry.collect():
+    families = powerbatch_families()
+    assert any(f.name.startswith("powerbatch_fleet_") for f in families)
+    for family in families:
         series = family.name + ("_total" if family.type == "counter" else "")
         row = rows.get(series)
         assert row, f"docs/metrics.md has no row for `{series}`"
@@ -241,7 +259,7 @@ def test_metrics_doc_lists_every_metric_with_its_labels() -> None:
 
 
 def test_metrics_doc_names_only_exported_metrics() -> None:
-    families = [*ProxyMetrics().registry.collect()]
+    families = powerbatch_families()
     names = set(exported()) | {f.name for f in families}  # a histogram's family name too
     text = METRICS_DOC.read_text()
     for token in set(re.findall(r"\b(powerbatch_[a-z0-9_]+|vllm:[a-z0-9_:]+)", text)):
@@ -250,9 +268,11 @@ def test_metrics_doc_names_only_exported_metrics() -> None:
 
 def _label_names(family_name: str) -> tuple[str, ...]:
     metrics = ProxyMetrics()
-    # Metrics are attributes of ProxyMetrics, or of a section of it (shape, energy).
+    # Metrics are attributes of ProxyMetrics, or of a section of it (shape, energy), or of
+    # FleetMetrics.
     values = [*vars(metrics).values(), *vars(metrics.shape).values()]
     values += vars(metrics.energy).values()
+    values += vars(FleetMetrics()).values()
     for value in values:
         if getattr(value, "_name", None) in (family_name, family_name.removesuffix("_total")):
             return tuple(value._labelnames)
