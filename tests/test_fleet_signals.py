@@ -17,13 +17,6 @@ DECODE_TOK_S_PER_REQUEST = 60.0
 DEVICE_MAX_W = 700.0
 
 
-class Actuator:
-    """The device limit's range, as `LimitActuator.bounds_w` gives it."""
-
-    def bounds_w(self) -> tuple[float, float]:
-        return 200.0, DEVICE_MAX_W
-
-
 class LinearModel:
     """P(batch) = base + slope × batch: a stand-in for the learned power model."""
 
@@ -53,8 +46,12 @@ def loop(
         features=Features(batch, 800.0 * batch, 0.0, DECODE_TOK_S_PER_REQUEST * batch),
         power_limit_w=limit_w,
     )  # fmt: skip
-    controller = SimpleNamespace(model=model, config=SimpleNamespace(min_batch=1))
-    return SimpleNamespace(history=[rec], controller=controller, actuator=Actuator())
+    return SimpleNamespace(
+        history=[rec],
+        controller=SimpleNamespace(config=SimpleNamespace(min_batch=1)),
+        predict_w=lambda f: model.predict_one(f)[0],  # ControlLoop.predict_w
+        device_limit_bounds_w=lambda: (200.0, DEVICE_MAX_W),  # a limiter holds the device
+    )
 
 
 def test_a_member_held_at_its_limit_with_work_wants_what_the_device_allows() -> None:

@@ -602,3 +602,11 @@ class ControlLoop:
                 doc[key] = section
         result: dict[str, Any] = json_safe(doc)
         return result
+
+    def predict_w(self, features: Features) -> float:
+        """The power model's mean watts at this load."""
+        return self.controller.model.predict_one(features)[0]
+
+    def device_limit_bounds_w(self) -> tuple[float, float] | None:
+        """The device's (min, max) power limit where a limiter controls the device, else None."""
+        return self.actuator.bounds_w() if self.actuator is not None else None

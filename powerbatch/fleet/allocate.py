@@ -23,8 +23,12 @@ the watts they moved could buy.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+DEAD_BAND_FRAC = 0.1  # the leader moves no share by less than this share of the safe share
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,10 +99,42 @@ def hold_small_moves(
     targets: Mapping[str, float], grants: Mapping[str, float], band_w: float
 ) -> dict[str, float]:
     """The targets, except that a member whose target is within `band_w` of its grant keeps
-    its grant. Safe whatever it keeps: raises are paid only from unheld watts (scripts.py)."""
+    its grant. Safe whatever it keeps: raises are paid only from unheld watts (book.py)."""
     out = dict(targets)
     for k, w in targets.items():
         g = grants.get(k)
         if g is not None and abs(w - g) < band_w:
             out[k] = g
     return out
+
+
+def read_bids(
+    rows: Mapping[str, Mapping[str, str]], budget_w: float
+) -> tuple[dict[str, Bid], dict[str, float], float]:
+    """The bids and grants of the members' hashes (book.py), and the budget left to share: a
+    lost member's safe share stays reserved while it may be on it."""
+    bids: dict[str, Bid] = {}
+    grants: dict[str, float] = {}
+    for i, h in rows.items():
+        if not h:
+            continue
+        if h.get("lost") == "1":
+            budget_w -= _f(h.get("safe_w"))
+            continue
+        if h.get("grant") not in (None, ""):
+            grants[i] = _f(h.get("grant"))
+        bids[i] = Bid(
+            value_per_w=_f(h.get("value_per_w")),
+            want_w=_f(h.get("want_w")),
+            min_w=_f(h.get("min_w")),
+            max_w=_f(h.get("max_w"), budget_w),
+        )
+    return bids, grants, budget_w
+
+
+def _f(x: Any, default: float = 0.0) -> float:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return default
+    return v if math.isfinite(v) else default

@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from powerbatch.control.loop import ControlLoop
 from powerbatch.estimate import Features
 from powerbatch.fleet.member import MemberSignals
+
+if TYPE_CHECKING:  # only its public predict_w and device_limit_bounds_w are used
+    from powerbatch.control.loop import ControlLoop
 
 PINNED_FRAC = 0.95  # measured power at this share of the device limit or more: held by it
 DEMAND_TAU_S = 5.0  # how slowly the demand in the bid falls
@@ -61,14 +64,13 @@ class LoopSignals:
         if f.batch >= 1:
             self._shape = f.per_request()
         want, floor = 0.0, 0.0
-        model = loop.controller.model
         shape = self._shape
+        bounds = loop.device_limit_bounds_w()
         if shape is not None:
-            want = model.predict_one(shape.scaled(float(demand)))[0]
-            if loop.actuator is None:
-                floor = model.predict_one(shape.scaled(float(loop.controller.config.min_batch)))[0]
+            want = loop.predict_w(shape.scaled(float(demand)))
+            if bounds is None:
+                floor = loop.predict_w(shape.scaled(float(loop.controller.config.min_batch)))
         limit_w, power_w = rec.power_limit_w or 0.0, rec.power_w or 0.0
-        bounds = loop.actuator.bounds_w() if loop.actuator is not None else None
         if demand > 0 and limit_w > 0 and power_w >= PINNED_FRAC * limit_w and bounds:
             want = max(want, bounds[1])  # held by the limit: it would draw more than it may
         value = 2.0 * demand / want if demand > 0 and want > 0 else 0.0

@@ -1,4 +1,5 @@
-"""The budget's state in Redis and the Lua scripts that change it, each atomically.
+"""The budget's book in Redis: its keys, the Lua scripts that change them (each atomically), and
+one member's calls on them (`RedisBook`: each call one script or command, no state of its own).
 
 Keys under `powerbatch:fleet:<budget>`:
 
@@ -16,6 +17,13 @@ The scripts name member keys from the prefix, so a Redis Cluster is out of scope
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from powerbatch.fleet.settings import FleetSettings
 
 # Shared by the scripts: the clock, the sweep of expired leases and the committed watts.
 _COMMON = """
@@ -165,3 +173,72 @@ return 0
 
 def prefix(budget: str) -> str:
     return f"powerbatch:fleet:{budget}"
+
+
+class RedisBook:
+    """The keys under `prefix(budget)`, as member `member_id` reads and writes them."""
+
+    def __init__(
+        self, settings: FleetSettings, member_id: str, client: aioredis.Redis | None = None
+    ) -> None:
+        assert settings.fleet_budget is not None, "a member needs fleet_budget"
+        self.settings = settings
+        self.id = member_id
+        self.prefix = prefix(settings.fleet_budget)
+        self.leader_key = self.prefix + ":leader"
+        self.ttl_ms = int(settings.fleet_lease_ttl_s * 1000)
+        self._client = client
+
+    @property
+    def client(self) -> aioredis.Redis:
+        if self._client is None:
+            s = self.settings
+            t = min(s.fleet_publish_interval_s, s.fleet_lease_ttl_s / 6)
+            self._client = aioredis.Redis.from_url(
+                s.fleet_redis_url, socket_timeout=t, socket_connect_timeout=t, decode_responses=True
+            )
+        return self._client
+
+    async def renew(
+        self, using_w: float, safe_w: float, fields: Mapping[str, Any]
+    ) -> tuple[float, str, int]:
+        """Renew the lease on `using_w` and publish `fields` (the bid): (grant, leader, live
+        members)."""
+        args: list[Any] = [self.id, self.ttl_ms, using_w, safe_w, self.settings.fleet_budget_w]
+        for k, v in fields.items():
+            args += [k, v]
+        reply = await self.client.eval(RENEW, 1, self.prefix, *args)
+        return float(reply[0]), reply[4], int(reply[5])
+
+    async def renew_leader(self) -> bool:
+        return bool(await self.client.eval(RENEW_LEADER, 1, self.leader_key, self.id, self.ttl_ms))
+
+    async def claim_leader(self) -> bool:
+        return bool(await self.client.set(self.leader_key, self.id, nx=True, px=self.ttl_ms))
+
+    async def resign_leader(self) -> None:
+        await self.client.eval(RESIGN_LEADER, 1, self.leader_key, self.id)
+
+    async def members(self) -> dict[str, dict[str, str]]:
+        """Every member's hash, by id (empty where it has gone)."""
+        c = self.client
+        ids = sorted(str(i) for i in await c.smembers(self.prefix + ":members"))
+        async with c.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.hgetall(f"{self.prefix}:m:{i}")
+            rows = await pipe.execute()
+        return dict(zip(ids, rows, strict=True))
+
+    async def allocate(self, targets: Mapping[str, float]) -> bool | None:
+        """Write the targets, fenced: None where this member is not the leader, else whether
+        any grant moved."""
+        args: list[Any] = [self.id, self.ttl_ms, self.settings.fleet_budget_w]
+        for i, w in targets.items():
+            args += [i, round(w, 3)]
+        reply = await self.client.eval(ALLOCATE, 1, self.prefix, *args)
+        return None if reply[0] == "-1" else reply[2] == "1"
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
