@@ -1,34 +1,14 @@
-"""Water-filling: shares that equalise the marginal value of a watt across members.
+"""Water-filling: shares that equalise the marginal value of a watt (docs/fleet.md, "Allocation").
 
-Each member i reports `value_per_w` v_i (the goodput its first watt buys, weighted by the priority
-of its demand; signals.py) and `want_w` W_i (the power that would serve all its demand). Its
-goodput is modelled as concave and saturating at W_i, with marginal value
-
-    m_i(w) = v_i * (1 - w / W_i)   for w < W_i,  0 beyond,
-
-so a watt is worth most to a member far from serving its demand and nothing to one that
-already has all it can use. Maximising sum_i g_i(w_i) subject to sum_i w_i <= B and
-lo_i <= w_i <= hi_i, the KKT conditions say: there is one price lambda >= 0 with
-m_i(w_i) = lambda for every member strictly inside its bounds, m_i >= lambda at hi_i and
-m_i <= lambda at lo_i. Then w_i(lambda) = clip(W_i * (1 - lambda / v_i), lo_i, hi_i), which is
-non-increasing in lambda, so lambda is found by bisection. Watts nobody can use (every member
-at its want) are spread evenly as headroom: a share is a ceiling, not a draw.
-
-A share that moves costs the member: a lower share reads as a breach to its control loop (the
-last second's power was drawn under the higher one), which cuts its batch. So the leader holds
-a member's grant where the new target is within a dead band of it (`hold_small_moves`): the
-bids of a light load drift from second to second, and following them lost more goodput than
-the watts they moved could buy.
+Member i's marginal value is m_i(w) = v_i (1 - w / W_i) below its want W_i; one price lambda
+gives w_i = clip(W_i (1 - lambda / v_i)), found by bisection; watts nobody can use are spread as
+headroom. A move cuts the batch, so a grant within a dead band is kept (`hold_small_moves`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-DEAD_BAND_FRAC = 0.1  # the leader moves no share by less than this share of the safe share
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,35 +86,3 @@ def hold_small_moves(
         if g is not None and abs(w - g) < band_w:
             out[k] = g
     return out
-
-
-def read_bids(
-    rows: Mapping[str, Mapping[str, str]], budget_w: float
-) -> tuple[dict[str, Bid], dict[str, float], float]:
-    """The bids and grants of the members' hashes (book.py), and the budget left to share: a
-    lost member's safe share stays reserved while it may be on it."""
-    bids: dict[str, Bid] = {}
-    grants: dict[str, float] = {}
-    for i, h in rows.items():
-        if not h:
-            continue
-        if h.get("lost") == "1":
-            budget_w -= _f(h.get("safe_w"))
-            continue
-        if h.get("grant") not in (None, ""):
-            grants[i] = _f(h.get("grant"))
-        bids[i] = Bid(
-            value_per_w=_f(h.get("value_per_w")),
-            want_w=_f(h.get("want_w")),
-            min_w=_f(h.get("min_w")),
-            max_w=_f(h.get("max_w"), budget_w),
-        )
-    return bids, grants, budget_w
-
-
-def _f(x: Any, default: float = 0.0) -> float:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return default
-    return v if math.isfinite(v) else default

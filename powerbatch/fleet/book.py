@@ -1,13 +1,7 @@
-"""The budget's book in Redis: its keys, the Lua scripts that change them (each atomically), and
-one member's calls on them (`RedisBook`: each call one script or command, no state of its own).
-
-Keys under `powerbatch:fleet:<budget>`:
-
-    :state       hash  budget_w, created_ms, fresh_until_ms, reallocations
-    :members     set   member ids
-    :m:<id>      hash  grant, held, expires_ms, lost, lost_since_ms, safe_w, and what the
-                       member publishes (power_w, value_per_w, want_w, min_w, max_w, demand...)
-    :leader      str   the allocator's id, with a PX lease
+"""The budget's book in Redis: the Lua scripts that change it atomically, and a member's calls
+(`RedisBook`: each one script or command, no state of its own). Keys under `powerbatch:fleet:
+<budget>`: `:state` (budget_w, created_ms, fresh_until_ms, reallocations), `:members` (a set),
+`:m:<id>` (grant, held, expires_ms, lost, lost_since_ms, safe_w and its bid), `:leader` (PX).
 
 `grant` is what the member may use once it has read it; `held` is an upper bound on what it may
 be using now (the old grant until it confirms a lower one). Invariant, kept by every script:
@@ -200,12 +194,11 @@ class RedisBook:
         return self._client
 
     async def renew(
-        self, using_w: float, safe_w: float, fields: Mapping[str, Any]
+        self, using_w: float, safe_w: float, bid: Mapping[str, Any]
     ) -> tuple[float, str, int]:
-        """Renew the lease on `using_w` and publish `fields` (the bid): (grant, leader, live
-        members)."""
+        """Renew the lease on `using_w` and publish `bid`: (grant, leader, live members)."""
         args: list[Any] = [self.id, self.ttl_ms, using_w, safe_w, self.settings.fleet_budget_w]
-        for k, v in fields.items():
+        for k, v in bid.items():
             args += [k, v]
         reply = await self.client.eval(RENEW, 1, self.prefix, *args)
         return float(reply[0]), reply[4], int(reply[5])

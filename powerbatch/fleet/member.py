@@ -2,31 +2,35 @@
 
 The member's Redis I/O runs in its own asyncio task on the event loop that ticks the control
 loop (the proxy's; the plugin's control thread's), started on the first tick; `ceiling_w` only
-reads local state and never waits. Its parts: the lease and the share it allows (lease.py),
-the budget's keys in Redis (book.py), the election, and the allocation (allocate.py).
+reads local state and never waits. Its parts: the `Lease` and the share it allows by the
+member's own clock (docs/fleet.md, "What a member may use"), the budget's keys (`RedisBook`,
+book.py), the `Election`, and the allocation step (water-filling: allocate.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.exceptions import RedisError
 
-from powerbatch.fleet.allocate import DEAD_BAND_FRAC, hold_small_moves, read_bids, water_fill
+from powerbatch.fleet.allocate import Bid, hold_small_moves, water_fill
 from powerbatch.fleet.book import RedisBook
-from powerbatch.fleet.lease import Lease, Stage
 from powerbatch.fleet.settings import FleetSettings
 
 log = logging.getLogger("powerbatch.fleet")
+
+DEAD_BAND_FRAC = 0.1  # the leader moves no share by less than this share of the safe share
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,36 +45,97 @@ class MemberSignals:
     floor_w: float = 0.0  # the least it can hold while it serves at all (0: any share)
 
 
+class Stage(StrEnum):
+    STARTING = "starting"
+    LIVE = "live"
+    FALLBACK = "fallback"
+    SAFE = "safe"
+
+
+class Lease:
+    """What the renewals told this member; `stage` reads it and changes nothing."""
+
+    def __init__(self, settings: FleetSettings) -> None:
+        self.settings, self.ttl_s = settings, settings.fleet_lease_ttl_s
+        self.grant_w: float | None = None  # None: never had one
+        self.held_w: float | None = None  # what Redis holds for it after its last renewal
+        self.last_ok_sent: float | None = None
+        self.first_fail_sent: float | None = None
+        self.members_seen = 0
+
+    @property
+    def safe_w(self) -> float:
+        return self.settings.safe_share_w(self.members_seen)
+
+    def stage(self, now: float) -> tuple[Stage, float]:
+        """The stage and its share at `now`; fallback's needs no memory (renewals alone move it)."""
+        ttl = self.ttl_s
+        if self.grant_w is not None and self.last_ok_sent is not None:
+            if now - self.last_ok_sent < 2 * ttl / 3:
+                return Stage.LIVE, self.grant_w
+            failed = max(self.first_fail_sent or self.last_ok_sent, self.last_ok_sent)
+            if now - failed >= ttl:
+                return Stage.SAFE, self.safe_w
+            return Stage.FALLBACK, min(self.grant_w, self.safe_w)
+        # Never leased: others may hold leases this member cannot see; wait them out.
+        if self.first_fail_sent is not None and now - self.first_fail_sent >= ttl:
+            return Stage.SAFE, self.safe_w
+        return Stage.STARTING, self.settings.fleet_min_share_w
+
+    def usable_for_s(self, now: float) -> float | None:
+        """Seconds until a live lease falls back (negative once it has)."""
+        return None if self.last_ok_sent is None else self.last_ok_sent + 2 * self.ttl_s / 3 - now
+
+    def using_w(self, now: float, power_w: float | None) -> float:
+        """What a renewal reports it may be drawing: its usable share, or on a live lease its
+        meter where higher (admission reaches a cut only as requests finish; the watts are not
+        paid to another until the meter shows them free), up to its last hold."""
+        stage, usable = self.stage(now)
+        if stage != Stage.LIVE or power_w is None or self.held_w is None:
+            return usable
+        if not math.isfinite(power_w):
+            return usable
+        return max(usable, min(power_w, self.held_w))
+
+    def confirmed(self, sent: float, grant_w: float, using_w: float, members_seen: int) -> None:
+        """A renewal sent at `sent`, reporting `using_w`, was granted `grant_w`."""
+        self.grant_w = grant_w
+        self.held_w = max(grant_w, using_w)
+        self.last_ok_sent = sent
+        self.first_fail_sent = None
+        self.members_seen = members_seen
+
+    def failed(self, sent: float) -> None:
+        """A renewal sent at `sent` got no answer: the fallback clock runs from the first."""
+        if self.first_fail_sent is None:
+            self.first_fail_sent = sent
+
+
 class FleetMetrics:
     """The member's gauges, in the host's registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = registry or CollectorRegistry()
-        self.share_w = Gauge(
-            "powerbatch_fleet_share_watts", "This member's usable share of the budget", registry=r
-        )
-        self.lease_age_s = Gauge(
+        g = functools.partial(Gauge, registry=r)
+        self.share_w = g("powerbatch_fleet_share_watts", "This member's usable share of the budget")
+        self.lease_age_s = g(
             "powerbatch_fleet_lease_age_seconds",
             "Seconds since the last confirmed renewal was sent",
-            registry=r,
         )
-        self.leader = Gauge(
-            "powerbatch_fleet_leader", "1 while this member runs the allocator", registry=r
-        )
-        self.fallback = Gauge(
-            "powerbatch_fleet_fallback", "1 while on a fallback share (no live lease)", registry=r
+        self.leader = g("powerbatch_fleet_leader", "1 while this member runs the allocator")
+        self.fallback = g(
+            "powerbatch_fleet_fallback", "1 while on a fallback share (no live lease)"
         )
         self.reallocations = Counter(
             "powerbatch_fleet_reallocations",
             "Allocations by this member (as leader) that moved watts",
             registry=r,
         )
-        self.members = Gauge("powerbatch_fleet_members", "Live members seen", registry=r)
+        self.members = g("powerbatch_fleet_members", "Live members seen")
 
 
 class Election:
-    """Whether this member holds the leader lease, as far as it knows (`gauge` shows it):
-    every member stands (`SET NX PX`), and the holder keeps it by compare-and-renew."""
+    """Whether this member leads (`gauge` shows it): all stand (`SET NX PX`); the leader renews."""
 
     def __init__(self, book: RedisBook, gauge: Gauge) -> None:
         self.book = book
@@ -98,13 +163,8 @@ class Election:
 
 
 def bid_fields(settings: FleetSettings, sig: MemberSignals, using_w: float) -> dict[str, Any]:
-    """What a renewal publishes: the allocator's view of this member.
-
-    `min_w` is the configured smallest share, or the member's floor where that is higher: a
-    share below what the server draws serving a single request cannot be held by admission
-    alone (it can only idle or exceed it), so the watts given to others would be drawn here
-    too. `value_per_w` is weighted by the mean priority weight of the demand (in-flight
-    requests, of unknown class, count as normal): high-class work makes a watt worth more."""
+    """A renewal's bid: `min_w` at least its floor (a share it cannot hold is drawn here too);
+    `value_per_w` times the demand's mean class weight (in-flight requests count as normal)."""
     w = settings.weights()
     n = sum(sig.queued_by_class.values()) + sig.in_flight
     weight = w["normal"]
@@ -154,7 +214,7 @@ class FleetMember:
     # -- the ceiling --------------------------------------------------------------------------
 
     def usable_w(self, now: float | None = None) -> float:
-        """The share this member may use now (lease.py)."""
+        """The share this member may use now (`Lease.stage`)."""
         return self.lease.stage(self.clock() if now is None else now)[1]
 
     def ceiling_w(self, t_s: float) -> float | None:
@@ -220,11 +280,9 @@ class FleetMember:
         self._ensure_started()
 
     async def stop(self) -> None:
-        """Stop renewing; resign leadership so another member allocates at once.
-
-        The cancel ends a renewal in flight, but a library may drop it: on Python 3.11,
-        `asyncio.wait_for` (redis-py's send) returns the result of an inner call that was done
-        when the cancel came, and the cancel is lost. The event ends the loop all the same."""
+        """Stop renewing; resign leadership so another member allocates at once. The cancel ends
+        a renewal in flight, but redis-py may drop it (on Python 3.11 its `asyncio.wait_for`
+        returns an inner result that was ready when the cancel came): the event ends the loop."""
         task, self._task = self._task, None
         if task is not None and self._stopping is not None:
             self._stopping.set()
@@ -278,8 +336,24 @@ class FleetMember:
     async def allocate(self) -> bool | None:
         """Water-fill the budget over the live members' bids and write it, fenced: None where
         this member is no longer the leader, else whether any grant moved."""
-        bids, grants, budget_w = read_bids(await self.book.members(), self.settings.fleet_budget_w)
-        targets = water_fill(bids, max(budget_w, 0.0))
+        budget = self.settings.fleet_budget_w
+        bids: dict[str, Bid] = {}
+        grants: dict[str, float] = {}
+        for i, h in (await self.book.members()).items():
+            if not h:
+                continue
+            if h.get("lost") == "1":
+                budget -= _f(h.get("safe_w"))  # reserved while it may be on it
+                continue
+            if h.get("grant") not in (None, ""):
+                grants[i] = _f(h.get("grant"))
+            bids[i] = Bid(
+                value_per_w=_f(h.get("value_per_w")),
+                want_w=_f(h.get("want_w")),
+                min_w=_f(h.get("min_w")),
+                max_w=_f(h.get("max_w"), budget),
+            )
+        targets = water_fill(bids, max(budget, 0.0))
         band_w = DEAD_BAND_FRAC * self.lease.safe_w
         return await self.book.allocate(hold_small_moves(targets, grants, band_w))
 
@@ -298,3 +372,11 @@ class FleetMember:
         self.lease.confirmed(sent, grant_w, using, live)
         self.election.leader_id = leader_id
         self.metrics.members.set(live)
+
+
+def _f(x: Any, default: float = 0.0) -> float:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return default
+    return v if math.isfinite(v) else default
