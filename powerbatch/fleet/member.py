@@ -206,7 +206,6 @@ class FleetMember:
         self.lease = Lease(settings)
         self.election = Election(self.book, self.metrics.leader)
         self._task: asyncio.Task[None] | None = None
-        self._stopping: asyncio.Event | None = None
         self.reallocations = 0
         self.redis_error: str | None = None
         self.bid: dict[str, float] = {}  # what its last renewal published: the allocator's view
@@ -273,34 +272,35 @@ class FleetMember:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # a tick driven by hand, without a loop
             return
-        self._stopping = asyncio.Event()
-        self._task = loop.create_task(self.run(self._stopping), name="powerbatch-fleet")
+        self._task = loop.create_task(self.run(), name="powerbatch-fleet")
 
     async def start(self) -> None:
         self._ensure_started()
 
     async def stop(self) -> None:
-        """Stop renewing; resign leadership so another member allocates at once. The cancel ends
-        a renewal in flight, but redis-py may drop it (on Python 3.11 its `asyncio.wait_for`
-        returns an inner result that was ready when the cancel came): the event ends the loop."""
+        """Stop renewing; resign leadership so another member allocates at once."""
         task, self._task = self._task, None
-        if task is not None and self._stopping is not None:
-            self._stopping.set()
+        if task is not None:
             task.cancel()
             await asyncio.wait([task])  # not `await task`: the caller's own cancel must stand
 
-    async def run(self, stopping: asyncio.Event) -> None:
+    async def run(self) -> None:
+        """Renew every period until cancelled. redis-py may drop a cancel (Python 3.11's `wait_for`
+        returns an inner result ready when the cancel came): a cancel still pending after a step
+        ends the loop too, else stop() or asyncio.run's shutdown waits for ever."""
         loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
         next_t = loop.time()
         try:
-            while not stopping.is_set():
+            while True:
                 await self.step()
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError
                 next_t += self.settings.fleet_publish_interval_s
                 delay = next_t - loop.time()
                 if delay < 0:
                     next_t, delay = loop.time(), 0.0
-                if not stopping.is_set():
-                    await asyncio.sleep(delay)
+                await asyncio.sleep(delay)
         finally:
             await self._close()
 
