@@ -8,20 +8,13 @@ from typing import Any
 
 import pytest
 
-from powerbatch.control.record import TickRecord
+from powerbatch.control.loop import TickRecord
 from powerbatch.estimate import Features
 from powerbatch.fleet import Bid, water_fill
 from powerbatch.fleet.signals import DEMAND_TAU_S, LoopSignals
 
 DECODE_TOK_S_PER_REQUEST = 60.0
 DEVICE_MAX_W = 700.0
-
-
-class Actuator:
-    """The device limit's range, as `LimitActuator.bounds_w` gives it."""
-
-    def bounds_w(self) -> tuple[float, float]:
-        return 200.0, DEVICE_MAX_W
 
 
 class LinearModel:
@@ -53,14 +46,11 @@ def loop(
         features=Features(batch, 800.0 * batch, 0.0, DECODE_TOK_S_PER_REQUEST * batch),
         power_limit_w=limit_w,
     )  # fmt: skip
-    controller = SimpleNamespace(model=model, config=SimpleNamespace(min_batch=1))
-    device = Actuator()
     return SimpleNamespace(
         history=[rec],
-        controller=controller,
-        device=device,
-        device_limit_bounds_w=device.bounds_w,
-        predict_w=lambda f: model.predict_one(f)[0],
+        controller=SimpleNamespace(config=SimpleNamespace(min_batch=1)),
+        predict_w=lambda f: model.predict_one(f)[0],  # ControlLoop.predict_w
+        device_limit_bounds_w=lambda: (200.0, DEVICE_MAX_W),  # a limiter holds the device
     )
 
 

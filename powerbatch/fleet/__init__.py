@@ -1,8 +1,6 @@
-"""One power budget over many powerbatch instances, leased through Redis (docs/fleet.md).
-
-The member (and with it the Redis client) is imported only where a budget is configured, so
-an instance without a fleet, the vLLM plugin's EngineCore among them, never loads it.
-"""
+"""One power budget over many powerbatch instances, leased through Redis (docs/fleet.md). The
+member (and the Redis client) is imported only where a budget is set: the vLLM plugin's
+EngineCore, or any instance without a fleet, never loads it."""
 
 from __future__ import annotations
 
@@ -16,14 +14,7 @@ if TYPE_CHECKING:
     from powerbatch.control.loop import ControlLoop
     from powerbatch.fleet.member import FleetMember
 
-__all__ = [
-    "Bid",
-    "FleetSettings",
-    "attach",
-    "join",
-    "marginal_value",
-    "water_fill",
-]
+__all__ = ["Bid", "FleetSettings", "attach", "join", "marginal_value", "water_fill"]
 
 
 def join(settings: FleetSettings, port: int | None = None) -> FleetMember | None:

@@ -1,24 +1,8 @@
-"""Water-filling: shares that equalise the marginal value of a watt across members.
+"""Water-filling: shares that equalise the marginal value of a watt (docs/fleet.md, "Allocation").
 
-Each member i reports `value_per_w` v_i (the goodput its first watt buys, weighted by the priority
-of its demand; signals.py) and `want_w` W_i (the power that would serve all its demand). Its
-goodput is modelled as concave and saturating at W_i, with marginal value
-
-    m_i(w) = v_i * (1 - w / W_i)   for w < W_i,  0 beyond,
-
-so a watt is worth most to a member far from serving its demand and nothing to one that
-already has all it can use. Maximising sum_i g_i(w_i) subject to sum_i w_i <= B and
-lo_i <= w_i <= hi_i, the KKT conditions say: there is one price lambda >= 0 with
-m_i(w_i) = lambda for every member strictly inside its bounds, m_i >= lambda at hi_i and
-m_i <= lambda at lo_i. Then w_i(lambda) = clip(W_i * (1 - lambda / v_i), lo_i, hi_i), which is
-non-increasing in lambda, so lambda is found by bisection. Watts nobody can use (every member
-at its want) are spread evenly as headroom: a share is a ceiling, not a draw.
-
-A share that moves costs the member: a lower share reads as a breach to its control loop (the
-last second's power was drawn under the higher one), which cuts its batch. So the leader holds
-a member's grant where the new target is within a dead band of it (`hold_small_moves`): the
-bids of a light load drift from second to second, and following them lost more goodput than
-the watts they moved could buy.
+Member i's marginal value is m_i(w) = v_i (1 - w / W_i) below its want W_i; one price lambda
+gives w_i = clip(W_i (1 - lambda / v_i)), found by bisection; watts nobody can use are spread as
+headroom. A move cuts the batch, so a grant within a dead band is kept (`hold_small_moves`).
 """
 
 from __future__ import annotations
@@ -95,7 +79,7 @@ def hold_small_moves(
     targets: Mapping[str, float], grants: Mapping[str, float], band_w: float
 ) -> dict[str, float]:
     """The targets, except that a member whose target is within `band_w` of its grant keeps
-    its grant. Safe whatever it keeps: raises are paid only from unheld watts (scripts.py)."""
+    its grant. Safe whatever it keeps: raises are paid only from unheld watts (book.py)."""
     out = dict(targets)
     for k, w in targets.items():
         g = grants.get(k)

@@ -1,39 +1,25 @@
-"""A member's bid from its own control loop: how much power its demand needs, and how much
-goodput that power buys.
+"""A member's bid from its own control loop (docs/fleet.md, "Allocation: equal marginal value").
 
-Goodput is requests served within their SLO per second. The allocator (allocate.py) models a
-member's goodput as concave in its share w, saturating at its want W:
-g(w) = v (w - w² / 2W) for w < W, so g(W) = v W / 2. The bid sets g(W) to the member's demand D,
-the requests in flight plus those queued (by Little's law the arrival rate times the time in
-the system, so a backlog that grows because watts are short raises it):
-
-    value_per_w = 2 D / W      requests per W (the member weights it by the class of its demand)
-
-D rises at once and falls with a time constant `DEMAND_TAU_S`: a snapshot of a light load
-swings between 0 and a few requests, and a share that followed it would swing as well.
-
-`want_w` W is what serving all of D would draw: the power model at the last per-request shape
-scaled to D. While a device limit holds the member (its meter at `PINNED_FRAC` of the limit or
-more) and it has work, the meter shows the cap and not the demand, and a model taught near the
-cap under-reads it too: the demand draws more than the limit, by an amount that cannot be
-measured. W is then the most the device accepts (its highest limit), so the bid does not
-depend on the share the member already has (a want tied to the current share would move every
-time the share did). With no demand there is nothing to buy: value 0, want the model's idle.
-
-Without a device power limit, admission holds a ceiling only by the batch, and the batch's
-smallest step is one request: `floor_w` = P(shape * min_batch) is the least such a member can
-hold while it serves at all, so it asks for no smaller share. With a limit in force the device
-caps the power at any share, and the floor is left to `fleet_min_share_w`.
+* demand D, requests in flight plus queued: it rises at once and falls with time constant
+  `DEMAND_TAU_S`, so a light load's swings do not move the share;
+* want W: the power model at the last per-request shape scaled to D; while a device limit holds
+  the member (meter at `PINNED_FRAC` of it or more) with work, the meter and a model taught
+  there under-read the demand, and W is the device's highest limit;
+* value_per_w = 2 D / W (the modelled goodput at W is D); floor_w = P(shape * min_batch)
+  without a device limit (admission's smallest step is one request: less cannot be held).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from powerbatch.control.loop import ControlLoop
 from powerbatch.estimate import Features
 from powerbatch.fleet.member import MemberSignals
+
+if TYPE_CHECKING:  # only its public predict_w and device_limit_bounds_w are used
+    from powerbatch.control.loop import ControlLoop
 
 PINNED_FRAC = 0.95  # measured power at this share of the device limit or more: held by it
 DEMAND_TAU_S = 5.0  # how slowly the demand in the bid falls
@@ -65,7 +51,7 @@ class LoopSignals:
         bounds = loop.device_limit_bounds_w()
         if shape is not None:
             want = loop.predict_w(shape.scaled(float(demand)))
-            if loop.device is None:
+            if bounds is None:
                 floor = loop.predict_w(shape.scaled(float(loop.controller.config.min_batch)))
         limit_w, power_w = rec.power_limit_w or 0.0, rec.power_w or 0.0
         if demand > 0 and limit_w > 0 and power_w >= PINNED_FRAC * limit_w and bounds:

@@ -1,12 +1,7 @@
-"""The budget's state in Redis and the Lua scripts that change it, each atomically.
-
-Keys under `powerbatch:fleet:<budget>`:
-
-    :state       hash  budget_w, created_ms, fresh_until_ms, reallocations
-    :members     set   member ids
-    :m:<id>      hash  grant, held, expires_ms, lost, lost_since_ms, safe_w, and what the
-                       member publishes (power_w, value_per_w, want_w, min_w, max_w, demand...)
-    :leader      str   the allocator's id, with a PX lease
+"""The budget's book in Redis: the Lua scripts that change it atomically, and a member's calls
+(`RedisBook`: each one script or command, no state of its own). Keys under `powerbatch:fleet:
+<budget>`: `:state` (budget_w, created_ms, fresh_until_ms, reallocations), `:members` (a set),
+`:m:<id>` (grant, held, expires_ms, lost, lost_since_ms, safe_w and its bid), `:leader` (PX).
 
 `grant` is what the member may use once it has read it; `held` is an upper bound on what it may
 be using now (the old grant until it confirms a lower one). Invariant, kept by every script:
@@ -16,6 +11,13 @@ The scripts name member keys from the prefix, so a Redis Cluster is out of scope
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from powerbatch.fleet.settings import FleetSettings
 
 # Shared by the scripts: the clock, the sweep of expired leases and the committed watts.
 _COMMON = """
@@ -165,3 +167,71 @@ return 0
 
 def prefix(budget: str) -> str:
     return f"powerbatch:fleet:{budget}"
+
+
+class RedisBook:
+    """The keys under `prefix(budget)`, as member `member_id` reads and writes them."""
+
+    def __init__(
+        self, settings: FleetSettings, member_id: str, client: aioredis.Redis | None = None
+    ) -> None:
+        assert settings.fleet_budget is not None, "a member needs fleet_budget"
+        self.settings = settings
+        self.id = member_id
+        self.prefix = prefix(settings.fleet_budget)
+        self.leader_key = self.prefix + ":leader"
+        self.ttl_ms = int(settings.fleet_lease_ttl_s * 1000)
+        self._client = client
+
+    @property
+    def client(self) -> aioredis.Redis:
+        if self._client is None:
+            s = self.settings
+            t = min(s.fleet_publish_interval_s, s.fleet_lease_ttl_s / 6)
+            self._client = aioredis.Redis.from_url(
+                s.fleet_redis_url, socket_timeout=t, socket_connect_timeout=t, decode_responses=True
+            )
+        return self._client
+
+    async def renew(
+        self, using_w: float, safe_w: float, bid: Mapping[str, Any]
+    ) -> tuple[float, str, int]:
+        """Renew the lease on `using_w` and publish `bid`: (grant, leader, live members)."""
+        args: list[Any] = [self.id, self.ttl_ms, using_w, safe_w, self.settings.fleet_budget_w]
+        for k, v in bid.items():
+            args += [k, v]
+        reply = await self.client.eval(RENEW, 1, self.prefix, *args)
+        return float(reply[0]), reply[4], int(reply[5])
+
+    async def renew_leader(self) -> bool:
+        return bool(await self.client.eval(RENEW_LEADER, 1, self.leader_key, self.id, self.ttl_ms))
+
+    async def claim_leader(self) -> bool:
+        return bool(await self.client.set(self.leader_key, self.id, nx=True, px=self.ttl_ms))
+
+    async def resign_leader(self) -> None:
+        await self.client.eval(RESIGN_LEADER, 1, self.leader_key, self.id)
+
+    async def members(self) -> dict[str, dict[str, str]]:
+        """Every member's hash, by id (empty where it has gone)."""
+        c = self.client
+        ids = sorted(str(i) for i in await c.smembers(self.prefix + ":members"))
+        async with c.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.hgetall(f"{self.prefix}:m:{i}")
+            rows = await pipe.execute()
+        return dict(zip(ids, rows, strict=True))
+
+    async def allocate(self, targets: Mapping[str, float]) -> bool | None:
+        """Write the targets, fenced: None where this member is not the leader, else whether
+        any grant moved."""
+        args: list[Any] = [self.id, self.ttl_ms, self.settings.fleet_budget_w]
+        for i, w in targets.items():
+            args += [i, round(w, 3)]
+        reply = await self.client.eval(ALLOCATE, 1, self.prefix, *args)
+        return None if reply[0] == "-1" else reply[2] == "1"
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
