@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from powerbatch.control.config import ControlConfig
@@ -16,14 +17,7 @@ if TYPE_CHECKING:
 
 
 def _limits(x: AdmissionLimits | None) -> dict[str, Any] | None:
-    if x is None:
-        return None
-    return {
-        "max_requests": x.max_requests,
-        "max_kv_tokens": x.max_kv_tokens,
-        "prefill_tok_s": x.prefill_tok_s,
-        "reserve_requests": x.reserve_requests,
-    }
+    return asdict(x) if x is not None else None
 
 
 def status_document(
