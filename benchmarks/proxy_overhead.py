@@ -7,8 +7,8 @@ run, interleaved request by request where it matters, so machine noise hits ever
   idle cpu   the proxy's and the bare hop's CPU, % of a core, over 10 s with no traffic
   latency    added p50/p90/p99 per request at a fixed open-loop rate (JSON and SSE answers),
              through the bare hop and through the proxy
-  max rate   the largest offered rate one proxy process sustains (rate ramped until errors,
-             lag or p99 blow up), beside the same ramp straight to the upstream
+  max rate   the most requests/s a closed loop of 64 connections gets (wrk) straight, through
+             the bare hop and through the proxy: a Python client cannot offer that much
   sse relay  SSE events per second relayed, with events spaced so each is its own chunk
   cpu        the proxy process's CPU seconds per request and per relayed event (/proc, psutil)
   memory     the proxy's RSS with 10,000 requests queued (batch limit 1, the one admitted
@@ -24,7 +24,7 @@ results/overhead/overhead.json).
     python benchmarks/proxy_overhead.py                 # the full run, about two minutes
     python benchmarks/proxy_overhead.py --quick         # a few seconds: does it work
     python benchmarks/proxy_overhead.py --profile results/overhead/proxy.prof   # cProfile it
-    python benchmarks/proxy_overhead.py --rate 1000 --skip ramp,sse,memory      # idle + latency
+    python benchmarks/proxy_overhead.py --rate 1000 --skip wrk,sse,memory       # idle + latency
 """
 
 from __future__ import annotations
@@ -322,56 +322,6 @@ async def phase_latency(
     }
 
 
-async def ramp(
-    session: aiohttp.ClientSession,
-    url: str,
-    ps: psutil.Process | None,
-    rates: Sequence[float],
-    step_s: float,
-    p99_limit_ms: float,
-) -> dict[str, Any]:
-    """Raise the offered rate until a step fails: >1% errors, <95% of the offered rate served,
-    p99 over `p99_limit_ms`, or the client falling behind its own schedule (then the harness,
-    not the target, is the limit, and the step says so)."""
-    steps: list[dict[str, Any]] = []
-    best = 0.0
-    data = body(False, 16)
-    for rate in rates:
-        c0 = cpu_s(ps) if ps else 0.0
-        client0 = cpu_s(psutil.Process())
-        (rs,), elapsed = await open_loop(session, [url], rate, step_s, data, False)
-        cpu = (cpu_s(ps) - c0) if ps else None
-        st = lat_stats(rs)
-        achieved = (st["n"] - st["errors"]) / elapsed
-        lag99 = pct([r.lag_s for r in rs], 99) * 1000
-        step: dict[str, Any] = {
-            "offered_rps": rate,
-            "achieved_rps": achieved,
-            **st,
-            "client_lag_p99_ms": lag99,
-            "client_cpu_util": (cpu_s(psutil.Process()) - client0) / elapsed,
-        }
-        if cpu is not None:
-            step["cpu_util"] = cpu / elapsed
-            step["cpu_ms_per_request"] = 1000 * cpu / max(1, st["n"])
-        failed = []
-        if st["errors"] > 0.01 * st["n"]:
-            failed.append("errors")
-        if achieved < 0.95 * rate:
-            failed.append("throughput")
-        if st["p99_ms"] > p99_limit_ms:
-            failed.append("p99")
-        if lag99 > 50:
-            failed.append("client lag")
-        step["failed"] = failed
-        steps.append(step)
-        if failed:
-            break
-        best = rate
-        await asyncio.sleep(0.3)
-    return {"steps": steps, "max_sustained_rps": best}
-
-
 async def sse_relay(
     session: aiohttp.ClientSession,
     url: str,
@@ -487,9 +437,6 @@ class Config:
     rate: float = 300.0
     duration_s: float = 10.0
     sse_tokens: int = 16
-    ramp_rates: tuple[float, ...] = (250, 500, 750, 1000, 1500, 2000, 2500, 3000, 4000, 5000)
-    ramp_step_s: float = 3.0
-    ramp_p99_limit_ms: float = 25.0
     sse_streams: int = 32
     sse_events: int = 64
     sse_interval_ms: float = 1.0
@@ -510,8 +457,6 @@ class Config:
         return cls(
             rate=100,
             duration_s=1.0,
-            ramp_rates=(100, 200),
-            ramp_step_s=1.0,
             sse_streams=4,
             sse_events=16,
             sse_duration_s=1.0,
@@ -577,10 +522,6 @@ async def run(cfg: Config, log_dir: Path, profile: Path | None) -> dict[str, Any
             sides = {"direct": (direct_c, up), "bare": (bare_c, bare), "proxy": (proxy_c, proxy)}
             if "wrk" not in cfg.skip and (w := await phase_wrk(sides, cfg, log_dir)):
                 out["wrk"] = w
-            if "ramp" not in cfg.skip:
-                out["max_rate"] = await max_rate(
-                    session, cfg, proxy_c, direct_c, ps_of(proxy), ps_of(up)
-                )
             if "sse" not in cfg.skip:
                 out["sse_relay"] = await sse_phase(session, cfg, proxy_c, direct_c, ps_of(proxy))
         out["proxy_rss_after_load_mb"] = ps_of(proxy).memory_info().rss / 2**20
@@ -639,26 +580,6 @@ async def phase_wrk(
         side["best_rps"] = max(r["rps"] for r in side["rounds"])
     out["proxy_vs_bare"] = out["proxy"]["best_rps"] / out["bare"]["best_rps"]
     return out
-
-
-async def max_rate(
-    session: aiohttp.ClientSession,
-    cfg: Config,
-    proxy_c: str,
-    direct_c: str,
-    proxy_ps: psutil.Process,
-    up_ps: psutil.Process,
-) -> dict[str, Any]:
-    mr: dict[str, Any] = {}
-    for name, url, ps in (("proxy", proxy_c, proxy_ps), ("direct", direct_c, up_ps)):
-        log(f"rate ramp, {name}")
-        mr[name] = await ramp(
-            session, url, ps, cfg.ramp_rates, cfg.ramp_step_s, cfg.ramp_p99_limit_ms
-        )
-    best = [s for s in mr["proxy"]["steps"] if not s["failed"]] or mr["proxy"]["steps"][:1]
-    cpu_ms = best[-1].get("cpu_ms_per_request") or float("nan")
-    mr["proxy_cpu_bound_rps"] = 1000 / cpu_ms if cpu_ms == cpu_ms and cpu_ms else None
-    return mr
 
 
 async def sse_phase(
@@ -738,11 +659,6 @@ def render(r: dict[str, Any]) -> str:
         for side in ("bare", "proxy"):
             cpu = max(w[side]["rounds"], key=lambda x: x["rps"])["cpu_ms_per_request"]
             row(f"  {side} CPU per request under wrk, ms", "", f(cpu, 3))
-    if mr := r.get("max_rate"):
-        dmax, pmax = mr["direct"]["max_sustained_rps"], mr["proxy"]["max_sustained_rps"]
-        ratio = f(pmax / dmax if dmax else None)
-        row("max sustained rate (json), rps", f(dmax, 0), f(pmax, 0), ratio)
-        row("proxy CPU-bound rate, one core, rps", "", f(mr["proxy_cpu_bound_rps"], 0))
     if s := r.get("sse_relay"):
         d_ev, p_ev = s["direct"]["events_per_s"], s["proxy"]["events_per_s"]
         row("SSE events/s relayed", f(d_ev, 0), f(p_ev, 0), f(p_ev / d_ev if d_ev else None))
@@ -788,11 +704,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="start the proxy with an empty model window (default: full, see serve_full_window)",
     )
-    p.add_argument("--skip", default="", help="parts to leave out: wrk,ramp,sse,memory")
+    p.add_argument("--skip", default="", help="parts to leave out: wrk,sse,memory")
     a = p.parse_args(argv)
     cfg = Config.quick() if a.quick else Config()
     skip = tuple(x for x in a.skip.split(",") if x)
-    if unknown := set(skip) - {"wrk", "ramp", "sse", "memory"}:
+    if unknown := set(skip) - {"wrk", "sse", "memory"}:
         p.error(f"--skip: unknown parts {sorted(unknown)}")
     over = {
         "rate": a.rate,
