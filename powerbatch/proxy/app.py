@@ -38,36 +38,18 @@ from powerbatch.proxy.auth import TENANT, ApiKeys, auth_middleware
 from powerbatch.proxy.errors import error_body, error_response, sse_error_event
 from powerbatch.proxy.governor import Governor
 from powerbatch.proxy.metrics import ClassSeries
-from powerbatch.proxy.parse import (
-    BadRequest,
-    RequestInfo,
-    parse_pooling_request,
-    parse_request,
-)
+from powerbatch.proxy.parse import BadRequest, RequestInfo, parse_pooling_request, parse_request
 from powerbatch.proxy.settings import ProxySettings
 from powerbatch.sse import usage_completion_tokens
 
 log = logging.getLogger("powerbatch.proxy")
 access_log = logging.getLogger("powerbatch.access")
 
+# Hop-by-hop headers (RFC 9110 section 7.6.1), and those aiohttp writes for each hop itself.
 _HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "TE",
-        "Trailers",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Host",
-        "Content-Length",
-    )
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers"}
+    | {"transfer-encoding", "upgrade", "host", "content-length"}
 )
-
-
-ADMIN_PATHS = ("/metrics", "/status", "/status/history")
 # vLLM's pooling routes (https://docs.vllm.ai/en/stable/serving/online_serving.html): each runs
 # a prefill on the GPU and decodes nothing, so each goes through admission like a completion.
 # A module constant until settings can name routes.
@@ -84,7 +66,7 @@ POOLING_PATHS = (
 )
 # vLLM routes that touch no GPU: relayed as they are, like every other /v1 route.
 METADATA_PATHS = ("/version", "/tokenize", "/detokenize")
-# An SSE event ends at a blank line; the relay forwards whole events only (see _relay_stream).
+# An SSE event ends at a blank line; the relay forwards whole events only (see StreamRelay).
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 _MAX_PARTIAL_EVENT = 64 * 1024
 
