@@ -119,18 +119,13 @@ async def read_body(request: web.Request, settings: ProxySettings) -> bytes | we
         async with asyncio.timeout(settings.client_timeout_s):
             return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        resp = error_response(
-            413, f"request body over {settings.max_body_bytes} bytes", code="too_large"
-        )
+        msg = f"request body over {settings.max_body_bytes} bytes"
+        resp = error_response(413, msg, code="too_large")
         resp.force_close()
         return resp
     except TimeoutError:
-        return _plain_error(
-            408,
-            f"request body not received within {settings.client_timeout_s:g} s",
-            "client_timeout",
-            "invalid_request_error",
-        )
+        msg = f"request body not received within {settings.client_timeout_s:g} s"
+        return _plain_error(408, msg, "client_timeout", "invalid_request_error")
 
 
 class Upstream:
