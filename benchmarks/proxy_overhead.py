@@ -7,8 +7,8 @@ run, interleaved request by request where it matters, so machine noise hits ever
   idle cpu   the proxy's and the bare hop's CPU, % of a core, over 10 s with no traffic
   latency    added p50/p90/p99 per request at a fixed open-loop rate (JSON and SSE answers),
              through the bare hop and through the proxy
-  max rate   the largest offered rate one proxy process sustains (rate ramped until errors,
-             lag or p99 blow up), beside the same ramp straight to the upstream
+  max rate   the most requests/s a closed loop of 64 connections gets (wrk) straight, through
+             the bare hop and through the proxy: a Python client cannot offer that much
   sse relay  SSE events per second relayed, with events spaced so each is its own chunk
   cpu        the proxy process's CPU seconds per request and per relayed event (/proc, psutil)
   memory     the proxy's RSS with 10,000 requests queued (batch limit 1, the one admitted
@@ -24,20 +24,21 @@ results/overhead/overhead.json).
     python benchmarks/proxy_overhead.py                 # the full run, about two minutes
     python benchmarks/proxy_overhead.py --quick         # a few seconds: does it work
     python benchmarks/proxy_overhead.py --profile results/overhead/proxy.prof   # cProfile it
-    python benchmarks/proxy_overhead.py --rate 1000 --skip ramp,sse,memory      # idle + latency
+    python benchmarks/proxy_overhead.py --rate 1000 --skip wrk,sse,memory       # idle + latency
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
+import math
 import os
 import platform
 import pstats
+import re
 import resource
-import signal
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -48,7 +49,8 @@ from typing import Any
 import aiohttp
 import psutil
 
-from powerbatch.cli.stack import free_port
+from powerbatch.cli.process import Child, free_port
+from powerbatch.control.loop import json_safe
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -58,53 +60,13 @@ PROMPT = [{"role": "user", "content": "Say hello in a few words, please."}]
 # -- child processes -------------------------------------------------------------------------
 
 
-class Proc:
-    """A child process (full argv) with its output in a log file; ready when a URL answers 200.
+def child(name: str, argv: list[str], log_dir: Path) -> Child:
+    """A child process given its full argv (the fake upstream, the proxy under cProfile)."""
+    return Child(name, argv, log_dir, command=(), cwd=REPO)
 
-    Like powerbatch.cli.stack.Child, but for any command: the fake upstream, and the proxy under
-    cProfile."""
 
-    def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
-        self.name = name
-        self.argv = argv
-        self.log_path = log_dir / f"{name}.log"
-        self.proc: asyncio.subprocess.Process | None = None
-
-    @property
-    def ps(self) -> psutil.Process:
-        assert self.proc is not None
-        return psutil.Process(self.proc.pid)
-
-    async def start(self, ready_url: str, timeout_s: float = 30.0) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")  # noqa: SIM115, ASYNC230 - handed to the child
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.argv, stdout=log, stderr=asyncio.subprocess.STDOUT, env=env, cwd=REPO
-        )
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        async with aiohttp.ClientSession() as s:
-            while time.monotonic() < deadline and self.proc.returncode is None:
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    async with asyncio.timeout(1.0), s.get(ready_url) as r:
-                        if r.status == 200:
-                            return
-                await asyncio.sleep(0.1)
-        await self.stop()
-        tail = self.log_path.read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"{self.name} not ready at {ready_url}:\n{tail}")
-
-    async def stop(self, timeout_s: float = 20.0) -> None:
-        if self.proc is None or self.proc.returncode is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self.proc.wait()
-        except TimeoutError:
-            self.proc.kill()
-            await self.proc.wait()
+def ps_of(c: Child) -> psutil.Process:
+    return psutil.Process(c.pid)
 
 
 def log(msg: str) -> None:
@@ -360,56 +322,6 @@ async def phase_latency(
     }
 
 
-async def ramp(
-    session: aiohttp.ClientSession,
-    url: str,
-    ps: psutil.Process | None,
-    rates: Sequence[float],
-    step_s: float,
-    p99_limit_ms: float,
-) -> dict[str, Any]:
-    """Raise the offered rate until a step fails: >1% errors, <95% of the offered rate served,
-    p99 over `p99_limit_ms`, or the client falling behind its own schedule (then the harness,
-    not the target, is the limit, and the step says so)."""
-    steps: list[dict[str, Any]] = []
-    best = 0.0
-    data = body(False, 16)
-    for rate in rates:
-        c0 = cpu_s(ps) if ps else 0.0
-        client0 = cpu_s(psutil.Process())
-        (rs,), elapsed = await open_loop(session, [url], rate, step_s, data, False)
-        cpu = (cpu_s(ps) - c0) if ps else None
-        st = lat_stats(rs)
-        achieved = (st["n"] - st["errors"]) / elapsed
-        lag99 = pct([r.lag_s for r in rs], 99) * 1000
-        step: dict[str, Any] = {
-            "offered_rps": rate,
-            "achieved_rps": achieved,
-            **st,
-            "client_lag_p99_ms": lag99,
-            "client_cpu_util": (cpu_s(psutil.Process()) - client0) / elapsed,
-        }
-        if cpu is not None:
-            step["cpu_util"] = cpu / elapsed
-            step["cpu_ms_per_request"] = 1000 * cpu / max(1, st["n"])
-        failed = []
-        if st["errors"] > 0.01 * st["n"]:
-            failed.append("errors")
-        if achieved < 0.95 * rate:
-            failed.append("throughput")
-        if st["p99_ms"] > p99_limit_ms:
-            failed.append("p99")
-        if lag99 > 50:
-            failed.append("client lag")
-        step["failed"] = failed
-        steps.append(step)
-        if failed:
-            break
-        best = rate
-        await asyncio.sleep(0.3)
-    return {"steps": steps, "max_sustained_rps": best}
-
-
 async def sse_relay(
     session: aiohttp.ClientSession,
     url: str,
@@ -451,9 +363,9 @@ async def queue_memory(upstream: str, n: int, log_dir: Path, timeout_s: float) -
     """RSS of a proxy holding `n` queued requests, then after the clients disconnect."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proxy = Proc("proxy-queue", proxy_argv(upstream, port, QUEUE_ARGS, None), log_dir)
+    proxy = child("proxy-queue", proxy_argv(upstream, port, QUEUE_ARGS, None), log_dir)
     await proxy.start(url + "/ready")
-    ps = proxy.ps
+    ps = ps_of(proxy)
     out: dict[str, Any] = {"target_queued": n}
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None)
@@ -525,9 +437,6 @@ class Config:
     rate: float = 300.0
     duration_s: float = 10.0
     sse_tokens: int = 16
-    ramp_rates: tuple[float, ...] = (250, 500, 750, 1000, 1500, 2000, 2500, 3000, 4000, 5000)
-    ramp_step_s: float = 3.0
-    ramp_p99_limit_ms: float = 25.0
     sse_streams: int = 32
     sse_events: int = 64
     sse_interval_ms: float = 1.0
@@ -537,6 +446,9 @@ class Config:
     warmup_requests: int = 300
     limit_wait_s: float = 30.0
     idle_s: float = 10.0
+    wrk_connections: int = 64
+    wrk_duration_s: float = 5.0
+    wrk_rounds: int = 2
     full_window: bool = True
     skip: tuple[str, ...] = ()
 
@@ -545,8 +457,6 @@ class Config:
         return cls(
             rate=100,
             duration_s=1.0,
-            ramp_rates=(100, 200),
-            ramp_step_s=1.0,
             sse_streams=4,
             sse_events=16,
             sse_duration_s=1.0,
@@ -555,6 +465,8 @@ class Config:
             warmup_requests=50,
             limit_wait_s=0.0,
             idle_s=1.0,
+            wrk_duration_s=1.0,
+            wrk_rounds=1,
         )
 
 
@@ -563,15 +475,15 @@ async def run(cfg: Config, log_dir: Path, profile: Path | None) -> dict[str, Any
     upstream = f"http://127.0.0.1:{up_port}"
     bare_url = f"http://127.0.0.1:{bare_port}"
     proxy_url = f"http://127.0.0.1:{px_port}"
-    up = Proc(
+    up = child(
         "fake-upstream",
         [sys.executable, str(HERE / "fake_upstream.py"), "--port", str(up_port)],
         log_dir,
     )
     bare_argv = [sys.executable, str(HERE / "bare_hop.py"), "--upstream", upstream]
-    bare = Proc("bare-hop", [*bare_argv, "--port", str(bare_port)], log_dir)
+    bare = child("bare-hop", [*bare_argv, "--port", str(bare_port)], log_dir)
     argv = proxy_argv(upstream, px_port, OPEN_ARGS, profile, cfg.full_window)
-    proxy = Proc("proxy", argv, log_dir)
+    proxy = child("proxy", argv, log_dir)
     log("starting the fake upstream, the bare hop and the proxy")
     await up.start(upstream + "/health")
     out: dict[str, Any] = {"config": asdict(cfg)}
@@ -589,7 +501,7 @@ async def run(cfg: Config, log_dir: Path, profile: Path | None) -> dict[str, Any
             await open_loop(session, urls, 300, warm / 400, body(True, 16), True)
             out["proxy_limit"] = await wait_for_limit(session, proxy_url, 32, cfg.limit_wait_s)
             log(f"idle CPU, {cfg.idle_s:.0f} s without traffic")
-            out["idle"] = await phase_idle({"proxy": proxy.ps, "bare": bare.ps}, cfg.idle_s)
+            out["idle"] = await phase_idle({"proxy": ps_of(proxy), "bare": ps_of(bare)}, cfg.idle_s)
             lat: dict[str, Any] = {}
             for name, stream in (("json", False), ("sse", True)):
                 log(f"latency, {name} answers, {cfg.rate:.0f} rps to each side")
@@ -598,8 +510,8 @@ async def run(cfg: Config, log_dir: Path, profile: Path | None) -> dict[str, Any
                     direct_c,
                     bare_c,
                     proxy_c,
-                    bare.ps,
-                    proxy.ps,
+                    ps_of(bare),
+                    ps_of(proxy),
                     cfg.rate,
                     cfg.duration_s,
                     stream,
@@ -607,11 +519,12 @@ async def run(cfg: Config, log_dir: Path, profile: Path | None) -> dict[str, Any
                 )
             out["latency"] = lat
             out["proxy_limit_after_latency"] = await wait_for_limit(session, proxy_url, 0, 0)
-            if "ramp" not in cfg.skip:
-                out["max_rate"] = await max_rate(session, cfg, proxy_c, direct_c, proxy.ps, up.ps)
+            sides = {"direct": (direct_c, up), "bare": (bare_c, bare), "proxy": (proxy_c, proxy)}
+            if "wrk" not in cfg.skip and (w := await phase_wrk(sides, cfg, log_dir)):
+                out["wrk"] = w
             if "sse" not in cfg.skip:
-                out["sse_relay"] = await sse_phase(session, cfg, proxy_c, direct_c, proxy.ps)
-        out["proxy_rss_after_load_mb"] = proxy.ps.memory_info().rss / 2**20
+                out["sse_relay"] = await sse_phase(session, cfg, proxy_c, direct_c, ps_of(proxy))
+        out["proxy_rss_after_load_mb"] = ps_of(proxy).memory_info().rss / 2**20
     finally:
         log("stopping the proxy and the bare hop")
         await proxy.stop()
@@ -627,24 +540,46 @@ async def run(cfg: Config, log_dir: Path, profile: Path | None) -> dict[str, Any
     return out
 
 
-async def max_rate(
-    session: aiohttp.ClientSession,
-    cfg: Config,
-    proxy_c: str,
-    direct_c: str,
-    proxy_ps: psutil.Process,
-    up_ps: psutil.Process,
-) -> dict[str, Any]:
-    mr: dict[str, Any] = {}
-    for name, url, ps in (("proxy", proxy_c, proxy_ps), ("direct", direct_c, up_ps)):
-        log(f"rate ramp, {name}")
-        mr[name] = await ramp(
-            session, url, ps, cfg.ramp_rates, cfg.ramp_step_s, cfg.ramp_p99_limit_ms
-        )
-    best = [s for s in mr["proxy"]["steps"] if not s["failed"]] or mr["proxy"]["steps"][:1]
-    cpu_ms = best[-1].get("cpu_ms_per_request") or float("nan")
-    mr["proxy_cpu_bound_rps"] = 1000 / cpu_ms if cpu_ms == cpu_ms and cpu_ms else None
-    return mr
+async def phase_wrk(
+    sides: dict[str, tuple[str, Child]], cfg: Config, log_dir: Path
+) -> dict[str, Any] | None:
+    """The most requests/s a closed loop of `cfg.wrk_connections` connections gets (wrk, JSON
+    answers), each side in turn, `cfg.wrk_rounds` times; the best round of each counts."""
+    if shutil.which("wrk") is None:
+        log("wrk is not on PATH: the closed-loop part is left out")
+        return None
+    script = log_dir / "post.lua"
+    script.write_text(
+        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+        f"wrk.body = [[{body(False, 16).decode()}]]\n"
+    )
+    out: dict[str, Any] = {name: {"rounds": []} for name in sides}
+    for _ in range(cfg.wrk_rounds):
+        for name, (url, c) in sides.items():
+            log(f"wrk, {cfg.wrk_connections} connections, {name}")
+            cpu0 = cpu_s(ps_of(c))
+            proc = await asyncio.create_subprocess_exec(
+                *("wrk", "-t1", f"-c{cfg.wrk_connections}", f"-d{cfg.wrk_duration_s:g}s"),
+                *("-s", str(script), url),
+                stdout=asyncio.subprocess.PIPE,
+            )
+            text = (await proc.communicate())[0].decode()
+            n = re.search(r"(\d+) requests in", text)
+            rps = re.search(r"Requests/sec:\s*([\d.]+)", text)
+            bad = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+            requests = int(n.group(1)) if n else 0
+            out[name]["rounds"].append(
+                {
+                    "rps": float(rps.group(1)) if rps else math.nan,
+                    "requests": requests,
+                    "non_2xx": int(bad.group(1)) if bad else 0,
+                    "cpu_ms_per_request": 1000 * (cpu_s(ps_of(c)) - cpu0) / max(1, requests),
+                }
+            )
+    for side in out.values():
+        side["best_rps"] = max(r["rps"] for r in side["rounds"])
+    out["proxy_vs_bare"] = out["proxy"]["best_rps"] / out["bare"]["best_rps"]
+    return out
 
 
 async def sse_phase(
@@ -669,17 +604,6 @@ async def sse_phase(
     cpu_ev = sse["proxy"].get("cpu_us_per_event")
     sse["proxy_cpu_bound_events_per_s"] = 1e6 / cpu_ev if cpu_ev else None
     return sse
-
-
-def _finite(x: Any) -> Any:
-    """NaN (no sample) as null, so the file is strict JSON."""
-    if isinstance(x, float) and x != x:
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_finite(v) for v in x]
-    return x
 
 
 def machine() -> dict[str, Any]:
@@ -727,11 +651,14 @@ def render(r: dict[str, Any]) -> str:
         row(f"proxy CPU per request ({name}), ms", "", f(lat["proxy_cpu_ms_per_request"], 3))
         row("  of which in the kernel, ms", "", f(lat["proxy_cpu_system_ms_per_request"], 3))
         row(f"bare hop CPU per request ({name}), ms", "", f(lat["bare_cpu_ms_per_request"], 3))
-    if mr := r.get("max_rate"):
-        dmax, pmax = mr["direct"]["max_sustained_rps"], mr["proxy"]["max_sustained_rps"]
-        ratio = f(pmax / dmax if dmax else None)
-        row("max sustained rate (json), rps", f(dmax, 0), f(pmax, 0), ratio)
-        row("proxy CPU-bound rate, one core, rps", "", f(mr["proxy_cpu_bound_rps"], 0))
+    if w := r.get("wrk"):
+        head = f"most req/s, {r['config']['wrk_connections']} connections (wrk)"
+        best = {k: w[k]["best_rps"] for k in ("direct", "bare", "proxy")}
+        row(head, f(best["direct"], 0), f(best["proxy"], 0), f(w["proxy_vs_bare"]))
+        row("  bare hop (ratio: proxy / bare hop)", f(best["direct"], 0), f(best["bare"], 0))
+        for side in ("bare", "proxy"):
+            cpu = max(w[side]["rounds"], key=lambda x: x["rps"])["cpu_ms_per_request"]
+            row(f"  {side} CPU per request under wrk, ms", "", f(cpu, 3))
     if s := r.get("sse_relay"):
         d_ev, p_ev = s["direct"]["events_per_s"], s["proxy"]["events_per_s"]
         row("SSE events/s relayed", f(d_ev, 0), f(p_ev, 0), f(p_ev / d_ev if d_ev else None))
@@ -777,11 +704,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="start the proxy with an empty model window (default: full, see serve_full_window)",
     )
-    p.add_argument("--skip", default="", help="comma-separated parts to leave out: ramp,sse,memory")
+    p.add_argument("--skip", default="", help="parts to leave out: wrk,sse,memory")
     a = p.parse_args(argv)
     cfg = Config.quick() if a.quick else Config()
     skip = tuple(x for x in a.skip.split(",") if x)
-    if unknown := set(skip) - {"ramp", "sse", "memory"}:
+    if unknown := set(skip) - {"wrk", "sse", "memory"}:
         p.error(f"--skip: unknown parts {sorted(unknown)}")
     over = {
         "rate": a.rate,
@@ -810,7 +737,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             j["p99_ms"] - r["latency"]["json"]["bare_added_ms"]["p99_ms"] < 1.0
         ),
     }
-    out.write_text(json.dumps(_finite(r), indent=2))
+    out.write_text(json.dumps(json_safe(r), indent=2))
     print(render(r))
     print(f"\nwrote {out}")
     if profile and profile.exists():

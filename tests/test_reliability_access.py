@@ -11,12 +11,14 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 from conftest import run
 from faults import chat_body, running_proxy, upstream
 
 from powerbatch.cli.settings import SERVE
 from powerbatch.errors import ConfigError
-from powerbatch.proxy.auth import ApiKeys
+from powerbatch.proxy.auth import TENANT, ApiKeys, auth_middleware
 from powerbatch.settings import load
 
 KEY = "sk-client-0123456789abcdef"
@@ -27,6 +29,19 @@ CHAT = "/v1/chat/completions"
 
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+def admits(keys: ApiKeys, authorization: str | None) -> str | None:
+    """The tenant the auth middleware lets a chat request through as, or None if it answers 401."""
+    headers = {"Authorization": authorization} if authorization is not None else {}
+    request = make_mocked_request("POST", CHAT, headers=headers)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(text=request[TENANT])
+
+    resp = asyncio.run(auth_middleware(keys)(request, handler))
+    assert resp.status in (200, 401)
+    return resp.text if resp.status == 200 and isinstance(resp, web.Response) else None
 
 
 def test_requests_without_a_valid_key_get_401_and_never_reach_upstream() -> None:
@@ -89,9 +104,10 @@ def test_every_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(hmac, "compare_digest", spy)
     keys = ApiKeys(["k1-aaaa", "k2-bbbb", "k3-cccc"])
-    assert keys.verify("k1-aaaa") and not keys.verify("k9")
+    assert admits(keys, "Bearer k1-aaaa") == "default" and admits(keys, "Bearer k9") is None
     assert len(calls) == 6  # no early exit on a match: all three keys every time
-    assert keys.verify_header("Bearer k2-bbbb") and not keys.verify_header(None)
+    assert admits(keys, "bearer  k2-bbbb ") == "default" and admits(keys, None) is None
+    assert admits(keys, "Basic k2-bbbb") is None and len(calls) == 9
 
 
 def test_keys_from_a_file_through_the_serve_options(tmp_path: Path) -> None:
@@ -109,7 +125,7 @@ def test_keys_from_a_file_through_the_serve_options(tmp_path: Path) -> None:
     ).proxy
     keys = ApiKeys.load(settings.api_keys, settings.api_keys_file)
     assert keys is not None and len(keys) == 3
-    assert keys.verify(OTHER) and keys.verify("sk-from-env")
+    assert admits(keys, f"Bearer {OTHER}") and admits(keys, "Bearer sk-from-env")
     assert settings.upstream_api_key == UP_KEY
     for text in (repr(settings), repr(keys), str(settings)):
         assert KEY not in text and UP_KEY not in text and "sk-from-env" not in text

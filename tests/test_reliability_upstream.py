@@ -282,3 +282,39 @@ def test_first_events_are_relayed_before_the_stream_ends() -> None:
                 assert first == sse_events(1)[0]
 
     run(go())
+
+
+def test_a_silent_upstream_gets_the_same_504_on_every_route() -> None:
+    """Admitted and pass-through routes share one mapping of upstream failures to answers."""
+
+    async def go() -> None:
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await asyncio.sleep(30)  # accepts, reads nothing, never answers
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        try:
+            async with (
+                running_proxy(url, headers_timeout_s=0.3) as p,
+                aiohttp.ClientSession() as s,
+            ):
+                errors = []
+                for method, path in (("POST", CHAT), ("GET", "/v1/models"), ("POST", "/tokenize")):
+                    async with s.request(method, p.url + path, json=chat_body()) as r:
+                        errors.append((r.status, (await r.json())["error"]))
+                assert errors[0] == errors[1] == errors[2]
+                assert errors[0] == (
+                    504,
+                    {
+                        "message": "upstream did not answer within 0.3 s",
+                        "type": "upstream_timeout",
+                        "param": None,
+                        "code": "upstream_timeout",
+                    },
+                )
+                assert outcome(p, "upstream_error") == 1  # only the admitted one is counted
+                await settled(p)
+        finally:
+            server.close()
+
+    run(go())

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_reliability_access import admits
 
 from powerbatch.cli.main import build_parser, main
 from powerbatch.cli.settings import SERVE, ServeSettings
@@ -65,7 +66,7 @@ def test_toml_lists_types_and_zero_are_kept(tmp_path: Path) -> None:
     assert s.power.gpus == ("0", "1")
     assert s.control.warmup_s == 0.0 and s.admission.max_queue_len == 0  # 0 is not "unset"
     keys = ApiKeys.load(s.proxy.api_keys)
-    assert keys is not None and keys.verify("a") and not keys.verify("['a'")
+    assert keys is not None and admits(keys, "Bearer a") and not admits(keys, "Bearer ['a'")
 
 
 @pytest.mark.parametrize(
@@ -182,7 +183,7 @@ def test_key_file_errors_name_file_and_line_and_comments_are_allowed(tmp_path: P
     f = tmp_path / "keys"
     f.write_text("# clients\nsk-one  # team a\nsk-two\n")
     keys = ApiKeys.load((), str(f))
-    assert keys is not None and keys.verify("sk-one") and len(keys) == 2
+    assert keys is not None and admits(keys, "Bearer sk-one") and len(keys) == 2
     f.write_text("sk-one\nsk two\n")
     with pytest.raises(ConfigError, match=f"{f}:2:"):
         ApiKeys.load((), str(f))

@@ -13,6 +13,8 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -35,36 +37,19 @@ from powerbatch.errors import PowerbatchError
 from powerbatch.proxy.auth import TENANT, ApiKeys, auth_middleware
 from powerbatch.proxy.errors import error_body, error_response, sse_error_event
 from powerbatch.proxy.governor import Governor
-from powerbatch.proxy.parse import (
-    BadRequest,
-    RequestInfo,
-    parse_pooling_request,
-    parse_request,
-)
+from powerbatch.proxy.metrics import ClassSeries
+from powerbatch.proxy.parse import BadRequest, RequestInfo, parse_pooling_request, parse_request
 from powerbatch.proxy.settings import ProxySettings
 from powerbatch.sse import usage_completion_tokens
 
 log = logging.getLogger("powerbatch.proxy")
 access_log = logging.getLogger("powerbatch.access")
 
+# Hop-by-hop headers (RFC 9110 section 7.6.1), and those aiohttp writes for each hop itself.
 _HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "TE",
-        "Trailers",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Host",
-        "Content-Length",
-    )
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers"}
+    | {"transfer-encoding", "upgrade", "host", "content-length"}
 )
-
-
-ADMIN_PATHS = ("/metrics", "/status", "/status/history")
 # vLLM's pooling routes (https://docs.vllm.ai/en/stable/serving/online_serving.html): each runs
 # a prefill on the GPU and decodes nothing, so each goes through admission like a completion.
 # A module constant until settings can name routes.
@@ -81,7 +66,7 @@ POOLING_PATHS = (
 )
 # vLLM routes that touch no GPU: relayed as they are, like every other /v1 route.
 METADATA_PATHS = ("/version", "/tokenize", "/detokenize")
-# An SSE event ends at a blank line; the relay forwards whole events only (see _relay_stream).
+# An SSE event ends at a blank line; the relay forwards whole events only (see StreamRelay).
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 _MAX_PARTIAL_EVENT = 64 * 1024
 
@@ -126,21 +111,107 @@ def _is_json_error(body: bytes) -> bool:
         return False
 
 
-class ProxyHandlers:
-    def __init__(
-        self, gov: Governor, settings: ProxySettings, api_keys: ApiKeys | None = None
-    ) -> None:
-        self.gov = gov
+async def read_body(request: web.Request, settings: ProxySettings) -> bytes | web.Response:
+    """The body, or the answer to give: 413 over the limit, 408 if it trickles in."""
+    try:
+        if request.content.is_eof():  # all of it is here already: no timer to arm
+            return await request.read()
+        async with asyncio.timeout(settings.client_timeout_s):
+            return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        msg = f"request body over {settings.max_body_bytes} bytes"
+        resp = error_response(413, msg, code="too_large")
+        resp.force_close()
+        return resp
+    except TimeoutError:
+        msg = f"request body not received within {settings.client_timeout_s:g} s"
+        return _plain_error(408, msg, "client_timeout", "invalid_request_error")
+
+
+class Upstream:
+    """The configured upstream: where a request goes, the headers it takes, and the answer to
+    give when it cannot be reached, does not answer or breaks off (one mapping for every route)."""
+
+    def __init__(self, settings: ProxySettings, *, client_keys: bool) -> None:
         self.settings = settings
-        self.api_keys = api_keys
-        self.upstream = settings.upstream_url
+        self.base = settings.upstream_url
+        key = settings.upstream_api_key
+        # With client keys on, the client's Authorization is the proxy's key: it is not passed on.
+        self.drop = (
+            _HOP_BY_HOP | {"authorization"} if key is not None or client_keys else _HOP_BY_HOP
+        )
+        self.auth = f"Bearer {key}" if key is not None else None
         self.session: aiohttp.ClientSession | None = None
-        # Label values come from configuration, never from what a client sends: bounded.
+
+    def url(self, request: web.Request) -> str:
+        """The upstream URL for a request: only ever the configured upstream, never the client's.
+
+        The path comes from the request's origin form; an absolute-URI target or a Host header
+        names nothing here (Host is not forwarded either), so the proxy is no open relay.
+        """
+        return self.base + request.rel_url.raw_path_qs
+
+    def headers(self, request: web.Request) -> dict[str, str]:
+        """The client's headers, less hop-by-hop ones, with the upstream's key put in if set."""
+        out = {k: v for k, v in request.headers.items() if k.lower() not in self.drop}
+        if self.auth is not None:
+            out["Authorization"] = self.auth
+        return out
+
+    async def send(self, request: web.Request, raw: bytes) -> aiohttp.ClientResponse | web.Response:
+        """The upstream's response once its headers are in, or the answer to give instead: 504
+        past headers_timeout_s, 503 when it cannot be reached, 502 on any other failure."""
+        assert self.session is not None
+        timeout_s = self.settings.headers_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self.session.request(
+                    request.method,
+                    self.url(request),
+                    data=raw or None,
+                    headers=self.headers(request),
+                )
+        except TimeoutError:
+            msg = f"upstream did not answer within {timeout_s:g} s"
+            return error_response(504, msg, code="upstream_timeout")
+        except aiohttp.ClientConnectorError as exc:
+            return error_response(503, f"upstream unavailable: {exc}", code="upstream_unavailable")
+        except aiohttp.ClientError as exc:
+            msg = f"upstream error: {exc or type(exc).__name__}"
+            return error_response(502, msg, code="upstream_error")
+
+    async def read(self, up: aiohttp.ClientResponse) -> bytes | web.Response:
+        """The whole body, or a 502 when the upstream breaks off or is silent for read_timeout_s."""
+        try:
+            if up.content.is_eof():  # all of it is here already: no timer to arm
+                return await up.content.read()
+            parts: list[bytes] = []
+            chunks = up.content.iter_any().__aiter__()
+            while True:
+                try:
+                    async with asyncio.timeout(self.settings.read_timeout_s):
+                        parts.append(await anext(chunks))
+                except StopAsyncIteration:
+                    return b"".join(parts)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            msg = f"upstream failed while answering: {exc or type(exc).__name__}"
+            return error_response(502, msg, code="upstream_error")
+
+
+class EnergyLabels:
+    """The (priority, tenant, model) a request's energy is counted under. Values come from
+    configuration, never from what a client sends, so the label sets stay bounded."""
+
+    def __init__(self, settings: ProxySettings, api_keys: ApiKeys | None) -> None:
         keys = api_keys.names() if api_keys is not None else [ANONYMOUS]
+        self.settings = settings
         self.tenants = Bounded(settings.tenants or keys)
         self.models = Bounded(settings.models, settings.max_models)
 
-    def energy_labels(self) -> list[Labels]:
+    def __call__(self, request: web.Request, priority: str, model: str) -> Labels:
+        return priority, self.tenants(request.get(TENANT, ANONYMOUS)), self.models(model)
+
+    def known(self) -> list[Labels]:
         """The label sets known at start, for series at zero (only with `models` set)."""
         if not self.settings.models:
             return []
@@ -148,256 +219,119 @@ class ProxyHandlers:
         models = [*self.models.known(), OTHER]
         return [(p, t, m) for p in PRIORITIES for t in tenants for m in models]
 
-    def _url(self, request: web.Request) -> str:
-        """The upstream URL for a request: only ever the configured upstream, never the client's.
 
-        The path comes from the request's origin form; an absolute-URI target or a Host header
-        names nothing here (Host is not forwarded either), so the proxy is no open relay.
-        """
-        return self.upstream + request.rel_url.raw_path_qs
+@dataclass(slots=True)
+class Call:
+    """One admitted request on its way upstream: what a relay needs to answer and count it."""
 
-    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
-        """The client's headers, less hop-by-hop ones, with the upstream's key put in if set.
+    request: web.Request
+    info: RequestInfo
+    priority: str
+    series: ClassSeries
+    t0: float
+    rec: RequestEnergy
+    generates: bool
 
-        With client keys on, the client's Authorization is the proxy's key: it is not passed on.
-        """
-        out = _forward_headers(request.headers)
-        if self.settings.upstream_api_key is not None or self.api_keys is not None:
-            out = {k: v for k, v in out.items() if k.lower() != "authorization"}
-        if self.settings.upstream_api_key is not None:
-            out["Authorization"] = f"Bearer {self.settings.upstream_api_key}"
-        return out
 
-    # -- admission-controlled routes ----------------------------------------------------------
+class Accounting:
+    """What an answered request leaves: its outcome `ok`, latencies, tokens and access line."""
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._completion(request, chat=True)
+    def __init__(self, gov: Governor, settings: ProxySettings) -> None:
+        self.gov = gov
+        self.access_log = settings.access_log
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._completion(request, chat=False)
-
-    async def pooling(self, request: web.Request) -> web.StreamResponse:
-        """Embeddings, scoring, rerank...: admitted on their prefill, since they draw power too."""
-        return await self._admitted(request, parse_pooling_request, generates=False)
-
-    async def _read_body(self, request: web.Request) -> bytes | web.Response:
-        """The body, or the answer to give: 413 over the limit, 408 if it trickles in."""
-        try:
-            async with asyncio.timeout(self.settings.client_timeout_s):
-                return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            resp = error_response(
-                413, f"request body over {self.settings.max_body_bytes} bytes", code="too_large"
-            )
-            resp.force_close()
-            return resp
-        except TimeoutError:
-            return _plain_error(
-                408,
-                f"request body not received within {self.settings.client_timeout_s:g} s",
-                "client_timeout",
-                "invalid_request_error",
-            )
-
-    async def _completion(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        def parse(raw: bytes) -> RequestInfo:
-            return parse_request(
-                raw,
-                chat=chat,
-                default_max_tokens=self.settings.default_max_tokens,
-                max_tokens_limit=self.settings.max_tokens_limit,
-            )
-
-        return await self._admitted(request, parse, generates=True)
-
-    async def _admitted(
-        self, request: web.Request, parse: Callable[[bytes], RequestInfo], *, generates: bool
-    ) -> web.StreamResponse:
-        t0 = time.monotonic()
-        m = self.gov.metrics
-        try:
-            priority = parse_priority(request.headers.get("x-priority"))
-        except ValueError as exc:
-            m.requests.labels(DEFAULT_PRIORITY, "bad_request").inc()
-            return error_response(400, str(exc), param="x-priority", code="invalid_priority")
-        raw = await self._read_body(request)
-        if isinstance(raw, web.Response):
-            m.requests.labels(priority, "bad_request").inc()
-            return raw
-        try:
-            info = parse(raw)
-        except BadRequest as exc:
-            m.requests.labels(priority, "bad_request").inc()
-            return error_response(400, str(exc), param=exc.param, code="invalid_request")
-        try:
-            slot = await self.gov.queue.admit(priority, info.kv_tokens, info.prompt_tokens)
-        except Rejected as rej:
-            m.rejections.labels(priority, rej.reason).inc()
-            m.requests.labels(priority, "rejected").inc()
-            return error_response(
-                rej.status, rej.message, code=rej.reason, retry_after_s=rej.retry_after_s
-            )
-        labels = (priority, self.tenants(request.get(TENANT, ANONYMOUS)), self.models(info.model))
-        # A stream's tokens are seen as they come; a whole answer's are estimated until it ends.
-        rec = self.gov.energy.begin(
-            labels, observed=info.stream or not generates, prefill_tokens=info.prompt_tokens
+    def ok(self, call: Call, *, first_s: float, last_s: float, tokens: int | None) -> None:
+        s, t0 = call.series, call.t0
+        ttft_s = first_s - t0
+        tpot_s = (
+            (last_s - first_s) / (tokens - 1)
+            if tokens and tokens > 1 and last_s > first_s
+            else None
         )
-        try:
-            m.queue_wait_s.labels(priority).observe(time.monotonic() - t0)
-            m.prompt_tokens.inc(info.prompt_tokens)
-            return await self._forward(request, raw, info, priority, t0, generates, rec)
-        finally:
-            slot.release()
-            rec.finished = True  # a failed request is charged up to its end at the next tick
+        s.outcomes["ok"].inc()
+        s.ttft_s.observe(ttft_s)
+        s.e2e_s.observe(last_s - t0)
+        if tpot_s is not None:
+            s.tpot_s.observe(tpot_s)
+        if tokens:
+            s.output_tokens.inc(tokens)
+        self.gov.latency.record(last_s, call.priority, ttft_s, tpot_s)
 
-    async def _forward(
-        self,
-        request: web.Request,
-        raw: bytes,
-        info: RequestInfo,
-        priority: str,
-        t0: float,
-        generates: bool,
-        rec: RequestEnergy,
-    ) -> web.StreamResponse:
-        m = self.gov.metrics
-        assert self.session is not None
-        try:
-            async with asyncio.timeout(self.settings.headers_timeout_s):
-                up = await self.session.post(
-                    self._url(request), data=raw, headers=self._upstream_headers(request)
-                )
-        except asyncio.CancelledError:
-            m.requests.labels(priority, "cancelled").inc()
-            raise
-        except TimeoutError:
-            m.requests.labels(priority, "upstream_error").inc()
-            return error_response(
-                504,
-                f"upstream did not answer within {self.settings.headers_timeout_s:g} s",
-                code="upstream_timeout",
+    def access(
+        self, call: Call, prompt: int, completion: int, energy_j: float, e2e_s: float
+    ) -> None:
+        """One compact line per answered request (setting access_log): no keys, no content."""
+        if self.access_log:
+            p, t, model = call.rec.labels
+            access_log.info(
+                "%s %s %d class=%s tenant=%s model=%s prompt=%d completion=%d energy_j=%.3f "
+                "e2e_s=%.3f",
+                *(call.request.method, call.request.path, 200, p, t, model),
+                *(prompt, completion, energy_j, e2e_s),
             )
-        except aiohttp.ClientConnectorError as exc:
-            m.requests.labels(priority, "upstream_error").inc()
-            return error_response(503, f"upstream unavailable: {exc}", code="upstream_unavailable")
-        except aiohttp.ClientError as exc:
-            m.requests.labels(priority, "upstream_error").inc()
-            return error_response(
-                502, f"upstream error: {exc or type(exc).__name__}", code="upstream_error"
-            )
-        async with up:
-            ctype = up.headers.get("Content-Type", "")
-            if info.stream and up.status == 200 and ctype.startswith("text/event-stream"):
-                return await self._relay_stream(request, up, priority, t0, info, rec)
-            return await self._relay_body(request, up, priority, t0, generates, info, rec)
 
-    async def _read_upstream_body(self, up: aiohttp.ClientResponse) -> bytes:
-        """The whole body, failing if the upstream goes silent for read_timeout_s."""
-        parts: list[bytes] = []
-        chunks = up.content.iter_any().__aiter__()
-        while True:
-            try:
-                async with asyncio.timeout(self.settings.read_timeout_s):
-                    parts.append(await anext(chunks))
-            except StopAsyncIteration:
-                return b"".join(parts)
 
-    async def _relay_body(
-        self,
-        request: web.Request,
-        up: aiohttp.ClientResponse,
-        priority: str,
-        t0: float,
-        generates: bool,
-        info: RequestInfo,
-        rec: RequestEnergy,
-    ) -> web.StreamResponse:
-        m = self.gov.metrics
-        try:
-            body = await self._read_upstream_body(up)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            m.requests.labels(priority, "upstream_error").inc()
-            return error_response(
-                502,
-                f"upstream failed while answering: {exc or type(exc).__name__}",
-                code="upstream_error",
-            )
+class BodyRelay:
+    """A whole (non-streamed) answer: read, its usage given the request's joules, sent at once."""
+
+    def __init__(self, gov: Governor, settings: ProxySettings, upstream: Upstream, acc: Accounting):
+        self.gov = gov
+        self.energy_header = settings.energy_header
+        self.upstream = upstream
+        self.acc = acc
+
+    async def __call__(self, call: Call, up: aiohttp.ClientResponse) -> web.StreamResponse:
+        body = await self.upstream.read(up)
+        if isinstance(body, web.Response):
+            call.series.outcomes["upstream_error"].inc()
+            return body
         now = time.monotonic()
         headers = _forward_headers(up.headers)
         if up.status == 200:
             doc, usage = json_usage(body)
             tokens = usage_int(usage, "completion_tokens")
-            if not generates:
+            if not call.generates:
                 # No first token and no decode: a TTFT or TPOT sample would mislead the SLOs.
-                m.requests.labels(priority, "ok").inc()
-                m.e2e_s.labels(priority).observe(now - t0)
+                call.series.outcomes["ok"].inc()
+                call.series.e2e_s.observe(now - call.t0)
             else:
-                self._record(priority, t0, first_s=now, last_s=now, tokens=tokens)
-            prompt = usage_int(usage, "prompt_tokens") or info.prompt_tokens
-            energy_j = self.gov.energy.finish(rec)
-            self.gov.energy.count_tokens(rec.labels, prompt, tokens or 0)
+                self.acc.ok(call, first_s=now, last_s=now, tokens=tokens)
+            prompt = usage_int(usage, "prompt_tokens") or call.info.prompt_tokens
+            energy_j = self.gov.energy.finish(call.rec)
+            self.gov.energy.count_tokens(call.rec.labels, prompt, tokens or 0)
             if usage is not None:
                 body = with_energy(doc, usage, energy_j)
-            if self.settings.energy_header:
+            if self.energy_header:
                 headers[HEADER] = f"{energy_j:.6f}"
-            self._access(request, 200, rec.labels, prompt, tokens or 0, energy_j, now - t0)
+            self.acc.access(call, prompt, tokens or 0, energy_j, now - call.t0)
         else:
-            m.requests.labels(priority, _upstream_outcome(up.status)).inc()
+            call.series.outcomes[_upstream_outcome(up.status)].inc()
             if up.status >= 500 and not _is_json_error(body):
                 # A crashed server or a load balancer in between: say so in the OpenAI shape.
                 snippet = body[:200].decode("utf-8", "replace")
-                return error_response(
-                    502, f"upstream answered {up.status}: {snippet}", code="upstream_error"
-                )
+                msg = f"upstream answered {up.status}: {snippet}"
+                return error_response(502, msg, code="upstream_error")
         return web.Response(body=body, status=up.status, headers=headers)
 
-    def _access(
-        self,
-        request: web.Request,
-        status: int,
-        labels: Labels,
-        prompt: int,
-        completion: int,
-        energy_j: float,
-        e2e_s: float,
-    ) -> None:
-        """One compact line per answered request (setting access_log): no keys, no content."""
-        if self.settings.access_log:
-            p, t, model = labels
-            access_log.info(
-                "%s %s %d class=%s tenant=%s model=%s prompt=%d completion=%d energy_j=%.3f "
-                "e2e_s=%.3f",
-                request.method,
-                request.path,
-                status,
-                p,
-                t,
-                model,
-                prompt,
-                completion,
-                energy_j,
-                e2e_s,
-            )
 
-    async def _relay_stream(
-        self,
-        request: web.Request,
-        up: aiohttp.ClientResponse,
-        priority: str,
-        t0: float,
-        info: RequestInfo,
-        rec: RequestEnergy,
-    ) -> web.StreamResponse:
-        """Relay SSE as it comes, whole events at a time, byte for byte.
+class StreamRelay:
+    """Relay SSE as it comes, whole events at a time, byte for byte.
 
-        A partial event is held until its end arrives, so when the upstream dies mid-event the
-        client gets a clean error event instead of half an event glued to it. Upstream silence
-        (read_timeout_s) and a client that stops reading (client_timeout_s) both end the stream
-        and free the slot.
-        """
-        m = self.gov.metrics
+    A partial event is held until its end arrives, so when the upstream dies mid-event the
+    client gets a clean error event instead of half an event glued to it. Upstream silence
+    (read_timeout_s) and a client that stops reading (client_timeout_s) both end the stream
+    and free the slot.
+    """
+
+    def __init__(self, gov: Governor, settings: ProxySettings, acc: Accounting) -> None:
+        self.gov = gov
+        self.read_s, self.write_s = settings.read_timeout_s, settings.client_timeout_s
+        self.acc = acc
+
+    async def __call__(self, call: Call, up: aiohttp.ClientResponse) -> web.StreamResponse:
+        request, info, rec, outcomes = call.request, call.info, call.rec, call.series.outcomes
         resp = web.StreamResponse(status=up.status, headers=_forward_headers(up.headers))
-        read_s, write_s = self.settings.read_timeout_s, self.settings.client_timeout_s
+        read_s, write_s = self.read_s, self.write_s
         first_s: float | None = None
         events = 0
         tail = b""
@@ -446,7 +380,7 @@ class ProxyHandlers:
                 else:
                     tokens = max(events - 2, 0)  # the role event and [DONE] carry no token
                 now = time.monotonic()
-                self._record(priority, t0, first_s=first_s or now, last_s=now, tokens=tokens)
+                self.acc.ok(call, first_s=first_s or now, last_s=now, tokens=tokens)
                 energy_j = self.gov.energy.finish(rec)
                 prompt: int | None = None
                 if held is not None:
@@ -455,91 +389,137 @@ class ProxyHandlers:
                 self.gov.energy.count_tokens(rec.labels, prompt, tokens)
                 if pending:
                     await resp.write(pending)
-                self._access(request, 200, rec.labels, prompt, tokens, energy_j, now - t0)
+                self.acc.access(call, prompt, tokens, energy_j, now - call.t0)
                 await resp.write_eof()
         except _UpstreamFailed as exc:
             log.warning("upstream stream failed: %s", exc)
-            m.requests.labels(priority, "upstream_error").inc()
+            outcomes["upstream_error"].inc()
             with contextlib.suppress(ConnectionError, TimeoutError):
                 async with asyncio.timeout(write_s):
-                    await resp.write(
-                        sse_error_event(
-                            502, f"upstream failed mid-stream: {exc}", code="upstream_error"
-                        )
-                    )
+                    msg = f"upstream failed mid-stream: {exc}"
+                    await resp.write(sse_error_event(502, msg, code="upstream_error"))
                     await resp.write(b"data: [DONE]\n\n")
                     await resp.write_eof()
         except TimeoutError:
             # The client stopped reading: drop it rather than hold its slot and buffers.
             log.info("client stopped reading a stream for %g s; dropping it", write_s)
-            m.requests.labels(priority, "cancelled").inc()
+            outcomes["cancelled"].inc()
             if request.transport is not None:
                 request.transport.abort()
         except (ConnectionError, asyncio.CancelledError):
-            m.requests.labels(priority, "cancelled").inc()
+            outcomes["cancelled"].inc()
             raise
         return resp
 
-    def _record(
+
+class AdmittedRoute:
+    """A GPU route: parse what the decision needs, wait for a slot, relay, free the slot."""
+
+    def __init__(
         self,
-        priority: str,
-        t0: float,
+        gov: Governor,
+        settings: ProxySettings,
+        upstream: Upstream,
+        labels: EnergyLabels,
+        relays: tuple[BodyRelay, StreamRelay],
+        parse: Callable[[bytes], RequestInfo],
         *,
-        first_s: float,
-        last_s: float,
-        tokens: int | None,
+        generates: bool,
     ) -> None:
-        """A request answered whole: its outcome `ok`, latencies and tokens."""
+        self.gov, self.settings, self.upstream, self.labels = gov, settings, upstream, labels
+        self.body, self.stream = relays
+        self.parse = parse
+        self.generates = generates
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.monotonic()
         m = self.gov.metrics
-        ttft_s = first_s - t0
-        tpot_s = (
-            (last_s - first_s) / (tokens - 1)
-            if tokens and tokens > 1 and last_s > first_s
-            else None
-        )
-        m.requests.labels(priority, "ok").inc()
-        m.ttft_s.labels(priority).observe(ttft_s)
-        m.e2e_s.labels(priority).observe(last_s - t0)
-        if tpot_s is not None:
-            m.tpot_s.labels(priority).observe(tpot_s)
-        if tokens:
-            m.output_tokens.labels(priority).inc(tokens)
-        self.gov.latency.record(last_s, priority, ttft_s, tpot_s)
-
-    # -- pass-through and operator routes -----------------------------------------------------
-
-    async def passthrough(self, request: web.Request) -> web.StreamResponse:
-        """Other /v1 routes and vLLM's metadata routes: relayed whole, bounded by the timeouts."""
-        assert self.session is not None
-        raw = await self._read_body(request)
+        try:
+            priority = parse_priority(request.headers.get("x-priority"))
+        except ValueError as exc:
+            m.by_class[DEFAULT_PRIORITY].outcomes["bad_request"].inc()
+            return error_response(400, str(exc), param="x-priority", code="invalid_priority")
+        series = m.by_class[priority]
+        raw = await read_body(request, self.settings)
         if isinstance(raw, web.Response):
+            series.outcomes["bad_request"].inc()
             return raw
         try:
-            async with asyncio.timeout(self.settings.headers_timeout_s):
-                up = await self.session.request(
-                    request.method,
-                    self._url(request),
-                    data=raw or None,
-                    headers=self._upstream_headers(request),
-                )
-            async with up:
-                body = await self._read_upstream_body(up)
-                return web.Response(
-                    body=body, status=up.status, headers=_forward_headers(up.headers)
-                )
-        except aiohttp.ClientConnectorError as exc:
-            return error_response(503, f"upstream unavailable: {exc}", code="upstream_unavailable")
-        except TimeoutError:
-            return error_response(504, "upstream did not answer in time", code="upstream_timeout")
-        except aiohttp.ClientError as exc:
+            info = self.parse(raw)
+        except BadRequest as exc:
+            series.outcomes["bad_request"].inc()
+            return error_response(400, str(exc), param=exc.param, code="invalid_request")
+        try:
+            slot = await self.gov.queue.admit(priority, info.kv_tokens, info.prompt_tokens)
+        except Rejected as rej:
+            m.rejections.labels(priority, rej.reason).inc()
+            series.outcomes["rejected"].inc()
             return error_response(
-                502, f"upstream error: {exc or type(exc).__name__}", code="upstream_error"
+                rej.status, rej.message, code=rej.reason, retry_after_s=rej.retry_after_s
             )
+        # A stream's tokens are seen as they come; a whole answer's are estimated until it ends.
+        rec = self.gov.energy.begin(
+            self.labels(request, priority, info.model),
+            observed=info.stream or not self.generates,
+            prefill_tokens=info.prompt_tokens,
+        )
+        try:
+            series.queue_wait_s.observe(time.monotonic() - t0)
+            m.prompt_tokens.inc(info.prompt_tokens)
+            return await self._forward(
+                Call(request, info, priority, series, t0, rec, self.generates), raw
+            )
+        finally:
+            slot.release()
+            rec.finished = True  # a failed request is charged up to its end at the next tick
+
+    async def _forward(self, call: Call, raw: bytes) -> web.StreamResponse:
+        try:
+            up = await self.upstream.send(call.request, raw)
+        except asyncio.CancelledError:
+            call.series.outcomes["cancelled"].inc()
+            raise
+        if isinstance(up, web.Response):
+            call.series.outcomes["upstream_error"].inc()
+            return up
+        async with up:
+            ctype = up.headers.get("Content-Type", "")
+            if call.info.stream and up.status == 200 and ctype.startswith("text/event-stream"):
+                return await self.stream(call, up)
+            return await self.body(call, up)
+
+
+class PassThrough:
+    """Other /v1 routes and vLLM's metadata routes: relayed whole, bounded by the timeouts."""
+
+    def __init__(self, settings: ProxySettings, upstream: Upstream) -> None:
+        self.settings = settings
+        self.upstream = upstream
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await read_body(request, self.settings)
+        if isinstance(raw, web.Response):
+            return raw
+        up = await self.upstream.send(request, raw)
+        if isinstance(up, web.Response):
+            return up
+        async with up:
+            body = await self.upstream.read(up)
+            if isinstance(body, web.Response):
+                return body
+            return web.Response(body=body, status=up.status, headers=_forward_headers(up.headers))
+
+
+class OperatorRoutes:
+    """Probes, metrics, status and the answers for routes and methods that do not exist."""
+
+    def __init__(self, gov: Governor, upstream: Upstream) -> None:
+        self.gov = gov
+        self.upstream = upstream
 
     async def method_not_allowed(self, request: web.Request) -> web.Response:
-        resp = error_response(
-            405, f"{request.method} is not allowed on {request.path}; use POST", code="bad_method"
-        )
+        msg = f"{request.method} is not allowed on {request.path}; use POST"
+        resp = error_response(405, msg, code="bad_method")
         resp.headers["Allow"] = "POST"
         return resp
 
@@ -561,9 +541,10 @@ class ProxyHandlers:
             problems.append(f"power sensor not ready: {error}")
         if self.gov.queue.draining:
             problems.append("draining")
-        assert self.session is not None
+        session = self.upstream.session
+        assert session is not None
         try:
-            async with asyncio.timeout(2.0), self.session.get(self.upstream + "/health") as up:
+            async with asyncio.timeout(2.0), session.get(self.upstream.base + "/health") as up:
                 if up.status != 200:
                     problems.append(f"upstream health answered {up.status}")
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -609,41 +590,57 @@ def create_app(
     keys = ApiKeys.load(settings.api_keys, settings.api_keys_file)
     middlewares = [auth_middleware(keys)] if keys is not None else []
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
-    h = ProxyHandlers(gov, settings, keys)
-    gov.metrics.energy.seed(h.energy_labels())
+    upstream = Upstream(settings, client_keys=keys is not None)
+    labels = EnergyLabels(settings, keys)
+    gov.metrics.energy.seed(labels.known())
+    acc = Accounting(gov, settings)
+    relays = (BodyRelay(gov, settings, upstream, acc), StreamRelay(gov, settings, acc))
+    ops = OperatorRoutes(gov, upstream)
+
+    def admitted(parse: Callable[[bytes], RequestInfo], generates: bool) -> AdmittedRoute:
+        return AdmittedRoute(gov, settings, upstream, labels, relays, parse, generates=generates)
 
     async def lifecycle(app: web.Application) -> Any:
         own = session is None
-        h.session = session or _client_session(settings)
+        upstream.session = session or _client_session(settings)
         await gov.start()
         yield
         await gov.stop()
         if own:
-            await h.session.close()
+            await upstream.session.close()
 
     app.cleanup_ctx.append(lifecycle)
-    app.router.add_post("/v1/chat/completions", h.chat)
-    app.router.add_route("*", "/v1/chat/completions", h.method_not_allowed)
-    app.router.add_post("/v1/completions", h.completions)
-    app.router.add_route("*", "/v1/completions", h.method_not_allowed)
-    for path in POOLING_PATHS:
-        app.router.add_post(path, h.pooling)
-        app.router.add_route("*", path, h.method_not_allowed)
-    for path in METADATA_PATHS:
-        app.router.add_route("*", path, h.passthrough)
-    app.router.add_route("*", "/v1/{tail:.*}", h.passthrough)
-    app.router.add_get("/health", h.health)
-    app.router.add_get("/ready", h.ready)
+
+    def completion(chat: bool) -> AdmittedRoute:
+        parse = partial(
+            parse_request,
+            chat=chat,
+            default_max_tokens=settings.default_max_tokens,
+            max_tokens_limit=settings.max_tokens_limit,
+        )
+        return admitted(parse, True)
+
+    routes = {"/v1/chat/completions": completion(True), "/v1/completions": completion(False)}
+    pooling = admitted(parse_pooling_request, False)  # admitted on its prefill: it draws power
+    routes.update(dict.fromkeys(POOLING_PATHS, pooling))
+    for path, handler in routes.items():
+        app.router.add_post(path, handler.handle)
+        app.router.add_route("*", path, ops.method_not_allowed)
+    passthrough = PassThrough(settings, upstream)
+    for path in (*METADATA_PATHS, "/v1/{tail:.*}"):
+        app.router.add_route("*", path, passthrough.handle)
+    app.router.add_get("/health", ops.health)
+    app.router.add_get("/ready", ops.ready)
     if settings.admin_on_main:
-        _add_admin_routes(app, h)
-    app.router.add_route("*", "/{tail:.*}", h.not_found)
+        _add_admin_routes(app, ops)
+    app.router.add_route("*", "/{tail:.*}", ops.not_found)
     return app
 
 
-def _add_admin_routes(app: web.Application, h: ProxyHandlers) -> None:
-    app.router.add_get("/metrics", h.metrics)
-    app.router.add_get("/status", h.status)
-    app.router.add_get("/status/history", h.history)
+def _add_admin_routes(app: web.Application, ops: OperatorRoutes) -> None:
+    app.router.add_get("/metrics", ops.metrics)
+    app.router.add_get("/status", ops.status)
+    app.router.add_get("/status/history", ops.history)
 
 
 def create_admin_app(gov: Governor, settings: ProxySettings) -> web.Application:
@@ -653,9 +650,9 @@ def create_admin_app(gov: Governor, settings: ProxySettings) -> web.Application:
     and operators reach it without the clients' credentials. The governor is started by the
     main app; this one only reads it.
     """
-    h = ProxyHandlers(gov, settings)
+    ops = OperatorRoutes(gov, Upstream(settings, client_keys=False))
     app = web.Application()
-    _add_admin_routes(app, h)
-    app.router.add_get("/health", h.health)
-    app.router.add_route("*", "/{tail:.*}", h.not_found)
+    _add_admin_routes(app, ops)
+    app.router.add_get("/health", ops.health)
+    app.router.add_route("*", "/{tail:.*}", ops.not_found)
     return app

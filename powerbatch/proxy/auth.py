@@ -103,20 +103,12 @@ class ApiKeys:
                 found = name
         return found
 
-    def verify(self, presented: str) -> bool:
-        """True when `presented` equals one of the keys; the time taken does not depend on which."""
-        return self.identify(presented) is not None
-
     def identify_header(self, authorization: str | None) -> str | None:
         """The tenant of an `Authorization: Bearer <key>` header value, or None."""
         if not authorization:
             return None
         scheme, _, token = authorization.strip().partition(" ")
         return self.identify(token.strip()) if scheme.lower() == "bearer" else None
-
-    def verify_header(self, authorization: str | None) -> bool:
-        """Check an `Authorization: Bearer <key>` header value."""
-        return self.identify_header(authorization) is not None
 
 
 def auth_middleware(keys: ApiKeys) -> Middleware:

@@ -80,14 +80,25 @@ class ProxyMetrics(ControlMetrics):
             registry=r,
         )
         self.energy = EnergyMetrics(r)
-        # Create every labelled child up front so dashboards see zeros, not gaps, and rate()
+        # Every labelled child exists from the start so dashboards see zeros, not gaps, and rate()
         # sees a counter's first increase: a series born at 1 has no earlier sample to rise from.
+        self.by_class = {p: ClassSeries(self, p) for p in PRIORITIES}
         for p in PRIORITIES:
             self.queue_length.labels(p)
-            self.output_tokens.labels(p)
-            for hist in (self.ttft_s, self.tpot_s, self.e2e_s, self.queue_wait_s):
-                hist.labels(p)
-            for outcome in OUTCOMES:
-                self.requests.labels(p, outcome)
-            for reason in REJECTION_REASONS:
-                self.rejections.labels(p, reason)
+
+
+class ClassSeries:
+    """One priority class's labelled children, looked up once: each `labels()` call takes a lock
+    and builds a key, which the request path need not pay per request."""
+
+    __slots__ = ("e2e_s", "outcomes", "output_tokens", "queue_wait_s", "tpot_s", "ttft_s")
+
+    def __init__(self, m: ProxyMetrics, p: str) -> None:
+        self.outcomes = {outcome: m.requests.labels(p, outcome) for outcome in OUTCOMES}
+        for reason in REJECTION_REASONS:
+            m.rejections.labels(p, reason)
+        self.output_tokens = m.output_tokens.labels(p)
+        self.ttft_s = m.ttft_s.labels(p)
+        self.tpot_s = m.tpot_s.labels(p)
+        self.e2e_s = m.e2e_s.labels(p)
+        self.queue_wait_s = m.queue_wait_s.labels(p)

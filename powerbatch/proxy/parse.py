@@ -72,7 +72,8 @@ def parse_request(
         raise BadRequest("request body is nested too deeply") from exc
 
 
-def _parse(raw: bytes, chat: bool, default_max_tokens: int, max_tokens_limit: int) -> RequestInfo:
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object with a string `model` (if any), or BadRequest."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # also a 5,000-digit number, deep nesting
@@ -81,6 +82,11 @@ def _parse(raw: bytes, chat: bool, default_max_tokens: int, max_tokens_limit: in
         raise BadRequest("request body must be a JSON object")
     if not isinstance(body.get("model", ""), str):
         raise BadRequest("model must be a string", "model")
+    return body
+
+
+def _parse(raw: bytes, chat: bool, default_max_tokens: int, max_tokens_limit: int) -> RequestInfo:
+    body = _json_object(raw)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream must be a boolean", "stream")
@@ -142,14 +148,7 @@ def parse_pooling_request(raw: bytes) -> RequestInfo:
     runs the query once per document (vLLM pairs each query with each document for a
     cross-encoder), so one query against N documents costs N queries' worth of prefill.
     """
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    if not isinstance(body.get("model", ""), str):
-        raise BadRequest("model must be a string", "model")
+    body = _json_object(raw)
     try:
         chars = sum(_input_len(body.get(k)) for k in _POOLING_SINGLE)
         docs = [body[k] for k in _POOLING_DOCS if k in body]
