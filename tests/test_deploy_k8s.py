@@ -113,7 +113,7 @@ def prestop_sleep_s(c: dict[str, Any]) -> float:
 
 def serve_settings(c: dict[str, Any]) -> Any:
     """The proxy container's environment through the real settings resolver."""
-    env = env_of(c, {"POWERBATCH_FLEET_MEMBER_ID": "vllm-powerbatch-0", "REDIS_PASSWORD": "pw"})
+    env = env_of(c, {"POWERBATCH_FLEET_MEMBER_ID": "vllm-powerbatch-0", "REDIS_PASSWORD": "redis-s3cret"})
     # Set by the container's command from the GPU UUIDs vLLM writes. TODO(phase 2): a UUID
     # here, once `gpus` accepts UUIDs (docs/kubernetes.md, "GPU identity").
     env["POWERBATCH_GPUS"] = "0"
@@ -430,8 +430,10 @@ def test_redis_is_a_single_writer_with_auth_and_a_network_policy() -> None:
     s = serve_settings(proxy)
     service = objects("Service")[sts["spec"]["serviceName"]]
     assert s.fleet.fleet_redis_url == (
-        f"redis://:pw@{service['metadata']['name']}:{service['spec']['ports'][0]['port']}/0"
+        f"redis://:redis-s3cret@{service['metadata']['name']}:"
+        f"{service['spec']['ports'][0]['port']}/0"
     )
+    assert "redis-s3cret" not in repr(s), "the URL holds the password: a secret setting"
     policy = objects("NetworkPolicy")["powerbatch-redis"]
     (rule,) = policy["spec"]["ingress"]
     (peer,) = rule["from"]
