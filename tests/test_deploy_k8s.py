@@ -113,7 +113,9 @@ def prestop_sleep_s(c: dict[str, Any]) -> float:
 
 def serve_settings(c: dict[str, Any]) -> Any:
     """The proxy container's environment through the real settings resolver."""
-    env = env_of(c, {"POWERBATCH_FLEET_MEMBER_ID": "vllm-powerbatch-0", "REDIS_PASSWORD": "redis-s3cret"})
+    env = env_of(
+        c, {"POWERBATCH_FLEET_MEMBER_ID": "vllm-powerbatch-0", "REDIS_PASSWORD": "redis-s3cret"}
+    )
     # Set by the container's command from the GPU UUIDs vLLM writes. TODO(phase 2): a UUID
     # here, once `gpus` accepts UUIDs (docs/kubernetes.md, "GPU identity").
     env["POWERBATCH_GPUS"] = "0"

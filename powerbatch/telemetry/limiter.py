@@ -18,10 +18,16 @@ Safety lives below the controller, so no caller can get it wrong:
     than a minimum interval after the last change; cuts go through at once. A failed or timed-out
     change makes it `degraded` (with a reason) until a retry, on a backoff, succeeds.
 
-The default restored: NVML's nvmlDeviceGetPowerManagementDefaultLimit. zeusd's API has no
-default-limit read, so for it the limits in force when powerbatch first touched the GPUs stand in
-(recorded in the state file so a restart after a crash still knows them), as zeusd itself does
-for CPU limits ("original" settings, Zeus docs, zeusd deployment).
+The default restored comes from the device, never from the limit found at start: a process
+restarted after a crash (or one whose state file was lost) finds the lowered limit in force, and
+taking that for the default would keep the device lowered for good. With NVML it is
+nvmlDeviceGetPowerManagementDefaultLimit ("the power management limit that the device boots
+with", NVML API reference). zeusd's API has no default-limit read, so for it the highest limit
+the device accepts (the max of /gpu/get_power_limit_constraints, NVML's
+nvmlDeviceGetPowerManagementLimitConstraints behind it) stands in: on the data-center GPUs this
+project targets (A100, H100, H200 SXM) the boot default is that max (nvidia-smi -q -d POWER shows
+the same Default and Max Power Limit, the TDP). Where a card's max is above its default, restoring
+through zeusd leaves it at the max: still a limit the device accepts, never a lowered one.
 """
 
 from __future__ import annotations
@@ -386,7 +392,11 @@ def _limit_errors() -> Iterator[None]:
 
 
 class ZeusdLimiter(_DeviceLimiter):
-    """Through zeusd's `/gpu/set_power_limit` (block=true: the answer comes once it is applied)."""
+    """Through zeusd's `/gpu/set_power_limit` (block=true: the answer comes once it is applied).
+
+    The default it restores, after a crash too, is each GPU's highest allowed limit: zeusd
+    reports no default (see the module docstring).
+    """
 
     backend = "zeusd"
 
@@ -424,15 +434,11 @@ class ZeusdLimiter(_DeviceLimiter):
                     "scoped to gpu-read,gpu-control"
                 )
             constraints = await self._client.get_power_limit_constraints_mw(self.gpu_ids)
-            current = await self._client.get_power_limit_mw(self.gpu_ids)
-        return (
-            [(constraints[i][0] / 1000.0, constraints[i][1] / 1000.0) for i in self.gpu_ids],
-            [current[i] / 1000.0 for i in self.gpu_ids],
-        )
-
-    def _recovery_w(self, record: dict[str, Any], default_w: list[float]) -> list[float]:
-        """zeusd reads no default: the limits recorded before the crashed run's first change."""
-        return self._recorded_w(record)
+        constraints_w = [
+            (constraints[i][0] / 1000.0, constraints[i][1] / 1000.0) for i in self.gpu_ids
+        ]
+        # zeusd reads no default limit: the device's max stands in (see the module docstring).
+        return constraints_w, [hi for _, hi in constraints_w]
 
     async def _read_w(self) -> list[float]:
         with _limit_errors():
