@@ -111,14 +111,16 @@ def prestop_sleep_s(c: dict[str, Any]) -> float:
     return float(command[1]) if command[:1] == ["sleep"] else 0.0
 
 
+GPU_UUID = "GPU-1d3f0a8e-77b2-4c1a-9a55-0f2c3b9d8e11"
+
+
 def serve_settings(c: dict[str, Any]) -> Any:
     """The proxy container's environment through the real settings resolver."""
     env = env_of(
         c, {"POWERBATCH_FLEET_MEMBER_ID": "vllm-powerbatch-0", "REDIS_PASSWORD": "redis-s3cret"}
     )
-    # Set by the container's command from the GPU UUIDs vLLM writes. TODO(phase 2): a UUID
-    # here, once `gpus` accepts UUIDs (docs/kubernetes.md, "GPU identity").
-    env["POWERBATCH_GPUS"] = "0"
+    # Set by the container's command from the GPU UUIDs vLLM writes (nvidia-smi's spelling).
+    env["POWERBATCH_GPUS"] = GPU_UUID
     return load(SERVE, environ=env)
 
 
@@ -299,6 +301,7 @@ def test_proxy_environment_is_real_settings_and_starts_observing() -> None:
     assert s.fleet.fleet_budget and s.fleet.fleet_budget_w > 0
     assert proxy_pod()["spec"]["replicas"] <= s.fleet.fleet_members, "safe shares over budget"
     assert "POWERBATCH_GPUS" in set_here, "a pod must name the GPUs it was given"
+    assert s.power.gpu_indices() == [GPU_UUID], "found by UUID in zeusd, NVML and DCGM alike"
 
 
 def test_the_settings_check_can_fail() -> None:
