@@ -25,8 +25,8 @@ class PowerSettings:
     )
     gpus: tuple[str, ...] = setting(
         (),
-        "the GPUs to meter and limit: indices (as NVML sees them here; dcgm's `gpu` label; "
-        "zeusd's) or UUIDs (GPU-…, found in each by UUID), comma-separated or a list",
+        "the GPUs to meter and limit, comma-separated or a list: UUIDs (GPU-…, the same GPU to "
+        "NVML, dcgm and zeusd) or indices (NVML's in this process, dcgm's `gpu` label, zeusd's)",
         default_doc="the UUIDs in NVIDIA_VISIBLE_DEVICES where it holds UUIDs, else 0",
     )
     dcgm_url: str | None = setting(
@@ -51,8 +51,9 @@ class PowerSettings:
 
     def __post_init__(self) -> None:
         check_bounds(self)
-        if not self.gpus:  # unset: the GPUs the device plugin gave this container, else GPU 0
-            object.__setattr__(self, "gpus", visible_uuids(os.environ) or ("0",))
+        gpus = tuple(g.strip() for g in self.gpus if g.strip())
+        # Unset: the GPUs the device plugin gave this container, else GPU 0.
+        object.__setattr__(self, "gpus", gpus or visible_uuids(os.environ) or ("0",))
         parse_gpu_ids(self.gpus)
         if self.power_source == "replay" and not self.replay_trace:
             raise ConfigError("power_source replay needs replay_trace (--replay-trace)")
@@ -70,7 +71,7 @@ class PowerSettings:
     def dcgm_labels(self) -> dict[str, tuple[str, ...]]:
         """dcgm-exporter's series of these GPUs: by `UUID`, else by the `gpu` index label."""
         uuids = all(is_gpu_uuid(g) for g in self.gpus)
-        return {"UUID" if uuids else "gpu": tuple(g.strip() for g in self.gpus)}
+        return {"UUID" if uuids else "gpu": self.gpus}
 
     def averages(self, kind: str) -> bool:
         """Whether source `kind` (resolved, not auto) reports a 1-second mean itself:
