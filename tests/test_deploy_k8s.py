@@ -420,6 +420,33 @@ def test_zeusd_daemonset_socket_token_and_privilege() -> None:
     assert token_ref["valueFrom"]["secretKeyRef"]["name"] == key_secret["secretName"]
 
 
+def test_the_proxy_finds_its_gpu_uuid_among_zeusds_through_the_nodes_dcgm_exporter() -> None:
+    # zeusd lists PCI addresses, not UUIDs, and the proxy container has no NVML: the UUID's PCI
+    # address comes from the dcgm-exporter on the pod's own node, which must let the pod in.
+    from urllib.parse import urlsplit
+
+    s = serve_settings(container(proxy_pod(), "powerbatch"))
+    assert s.power.power_source == "zeusd" and s.power.dcgm_url
+    url = urlsplit(s.power.dcgm_url)
+    name, namespace = (url.hostname or "").split(".")[:2]
+    service = objects("Service")[name]
+    assert service["metadata"]["namespace"] == namespace
+    assert service["spec"]["internalTrafficPolicy"] == "Local", "another node's exporter"
+    (port,) = [p for p in service["spec"]["ports"] if p["port"] == url.port]
+    ds = objects("DaemonSet")["dcgm-exporter"]
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert named_ports(ds)[port["targetPort"]] == 9400
+    assert "UUID" in s.power.dcgm_labels() and url.path == "/metrics"
+    policy = objects("NetworkPolicy")["dcgm-exporter"]
+    proxy_labels = proxy_pod()["spec"]["template"]["metadata"]["labels"]
+    peers = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
+    assert any(
+        "podSelector" in p and p["podSelector"]["matchLabels"].items() <= proxy_labels.items()
+        for p in peers
+    ), "the exporter's NetworkPolicy shuts the proxy out"
+
+
 def test_redis_is_a_single_writer_with_auth_and_a_network_policy() -> None:
     (sts,) = objects("StatefulSet").values()
     assert sts["spec"]["replicas"] == 1
