@@ -7,6 +7,7 @@ are the simulator's dcgm-exporter endpoint (`UUID` and `pci_bus_id` labels) and 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -222,5 +223,45 @@ def test_a_uuid_nothing_can_place_is_refused_with_the_fix(tmp_path: Path) -> Non
             await stray.read()
         await stray.close()
         assert server.engine.gpu_power_limits_w == [700.0] * 4
+
+    with_sim(body)
+
+
+def test_serve_given_two_uuids_limits_those_gpus_and_restores_them(tmp_path: Path) -> None:
+    # The Kubernetes pod's setup: power and limit through zeusd, GPUs by UUID, placed through
+    # the node's dcgm-exporter; here against the simulated 4-GPU node.
+    from powerbatch.cli.serve import build
+    from powerbatch.cli.settings import SERVE
+    from powerbatch.settings import load
+
+    async def body(server: SimServer) -> None:
+        engine = server.engine
+        flat = {
+            "upstream": server.url,
+            "ceiling_w": 1200.0,
+            "power_source": "zeusd",
+            "gpus": f"{sim_gpu_uuid(3)},{sim_gpu_uuid(1)}",
+            "dcgm_url": server.url + "/metrics",
+            "power_limiter": "zeusd",
+            "zeusd_url": server.url,
+            "zeusd_token": TOKEN,
+            "limit_state_dir": str(tmp_path),
+            "limit_min_interval_s": 0.0,
+            "warmup_s": 0.2,
+            "upstream_metrics": False,
+        }
+        _, gov = build(load(SERVE, overrides=flat))
+        await gov.start()
+        try:
+            for _ in range(100):  # the limit lands ~100 ms after the request
+                if engine.gpu_power_limits_w != [700.0] * 4:
+                    break
+                await asyncio.sleep(0.05)
+            # The ceiling less 1 %, split over GPUs 1 and 3 alone.
+            assert engine.gpu_power_limits_w == [700.0, 594.0, 700.0, 594.0]
+            assert gov.loop.status()["power_limit"]["degraded"] is False
+        finally:
+            await gov.stop()
+        assert engine.gpu_power_limits_w == [700.0] * 4
 
     with_sim(body)
