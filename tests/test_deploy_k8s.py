@@ -111,12 +111,16 @@ def prestop_sleep_s(c: dict[str, Any]) -> float:
     return float(command[1]) if command[:1] == ["sleep"] else 0.0
 
 
+GPU_UUID = "GPU-1d3f0a8e-77b2-4c1a-9a55-0f2c3b9d8e11"
+
+
 def serve_settings(c: dict[str, Any]) -> Any:
     """The proxy container's environment through the real settings resolver."""
-    env = env_of(c, {"POWERBATCH_FLEET_MEMBER_ID": "vllm-powerbatch-0", "REDIS_PASSWORD": "pw"})
-    # Set by the container's command from the GPU UUIDs vLLM writes. TODO(phase 2): a UUID
-    # here, once `gpus` accepts UUIDs (docs/kubernetes.md, "GPU identity").
-    env["POWERBATCH_GPUS"] = "0"
+    env = env_of(
+        c, {"POWERBATCH_FLEET_MEMBER_ID": "vllm-powerbatch-0", "REDIS_PASSWORD": "redis-s3cret"}
+    )
+    # Set by the container's command from the GPU UUIDs vLLM writes (nvidia-smi's spelling).
+    env["POWERBATCH_GPUS"] = GPU_UUID
     return load(SERVE, environ=env)
 
 
@@ -297,6 +301,7 @@ def test_proxy_environment_is_real_settings_and_starts_observing() -> None:
     assert s.fleet.fleet_budget and s.fleet.fleet_budget_w > 0
     assert proxy_pod()["spec"]["replicas"] <= s.fleet.fleet_members, "safe shares over budget"
     assert "POWERBATCH_GPUS" in set_here, "a pod must name the GPUs it was given"
+    assert s.power.gpu_indices() == [GPU_UUID], "found by UUID in zeusd, NVML and DCGM alike"
 
 
 def test_the_settings_check_can_fail() -> None:
@@ -415,6 +420,33 @@ def test_zeusd_daemonset_socket_token_and_privilege() -> None:
     assert token_ref["valueFrom"]["secretKeyRef"]["name"] == key_secret["secretName"]
 
 
+def test_the_proxy_finds_its_gpu_uuid_among_zeusds_through_the_nodes_dcgm_exporter() -> None:
+    # zeusd lists PCI addresses, not UUIDs, and the proxy container has no NVML: the UUID's PCI
+    # address comes from the dcgm-exporter on the pod's own node, which must let the pod in.
+    from urllib.parse import urlsplit
+
+    s = serve_settings(container(proxy_pod(), "powerbatch"))
+    assert s.power.power_source == "zeusd" and s.power.dcgm_url
+    url = urlsplit(s.power.dcgm_url)
+    name, namespace = (url.hostname or "").split(".")[:2]
+    service = objects("Service")[name]
+    assert service["metadata"]["namespace"] == namespace
+    assert service["spec"]["internalTrafficPolicy"] == "Local", "another node's exporter"
+    (port,) = [p for p in service["spec"]["ports"] if p["port"] == url.port]
+    ds = objects("DaemonSet")["dcgm-exporter"]
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert named_ports(ds)[port["targetPort"]] == 9400
+    assert "UUID" in s.power.dcgm_labels() and url.path == "/metrics"
+    policy = objects("NetworkPolicy")["dcgm-exporter"]
+    proxy_labels = proxy_pod()["spec"]["template"]["metadata"]["labels"]
+    peers = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
+    assert any(
+        "podSelector" in p and p["podSelector"]["matchLabels"].items() <= proxy_labels.items()
+        for p in peers
+    ), "the exporter's NetworkPolicy shuts the proxy out"
+
+
 def test_redis_is_a_single_writer_with_auth_and_a_network_policy() -> None:
     (sts,) = objects("StatefulSet").values()
     assert sts["spec"]["replicas"] == 1
@@ -430,8 +462,10 @@ def test_redis_is_a_single_writer_with_auth_and_a_network_policy() -> None:
     s = serve_settings(proxy)
     service = objects("Service")[sts["spec"]["serviceName"]]
     assert s.fleet.fleet_redis_url == (
-        f"redis://:pw@{service['metadata']['name']}:{service['spec']['ports'][0]['port']}/0"
+        f"redis://:redis-s3cret@{service['metadata']['name']}:"
+        f"{service['spec']['ports'][0]['port']}/0"
     )
+    assert "redis-s3cret" not in repr(s), "the URL holds the password: a secret setting"
     policy = objects("NetworkPolicy")["powerbatch-redis"]
     (rule,) = policy["spec"]["ingress"]
     (peer,) = rule["from"]

@@ -87,6 +87,28 @@ def test_limiter_and_power_source_against_the_sim(tmp_path: Path) -> None:
     with_sim(body)
 
 
+def test_a_restart_under_a_lowered_limit_restores_the_device_default(tmp_path: Path) -> None:
+    # A container restarted after a crash, its state file lost (it was in the container's /tmp):
+    # the GPUs still carry the lowered cap. The default is the device's, not what is in force.
+    async def body(server: SimServer) -> None:
+        engine = server.engine
+        for gpu in range(4):
+            engine.set_gpu_power_limit_w(gpu, 300.0)
+        limiter = ZeusdLimiter(server.url, [0, 1, 2, 3], token=TOKEN, state_dir=tmp_path)
+        await limiter.start()
+        assert not limiter.recovered  # no state file: nothing to recover
+        assert engine.gpu_power_limits_w == [300.0] * 4  # a clean start changes nothing
+        assert limiter.default_w() == [700.0] * 4  # the H100's max, its boot default
+        await limiter.set_total_w(1000.0)
+        record = json.loads(limiter.state_file.path.read_text())
+        assert record["restore_w"] == [700.0] * 4
+        await limiter.restore()
+        assert await limits_in_metrics(server) == {str(i): 700.0 for i in range(4)}
+        await limiter.close()
+
+    with_sim(body)
+
+
 def test_a_non_blocking_change_lands_after_about_100_ms() -> None:
     async def body(server: SimServer) -> list[float]:
         params = {"gpu_ids": "0,1", "power_limit_mw": "300000", "block": "false"}

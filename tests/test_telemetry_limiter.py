@@ -233,6 +233,41 @@ def test_nvml_limiter_clamps_and_restores_the_device_default(tmp_path: Path) -> 
     run(body())
 
 
+def test_nvml_start_under_a_lowered_limit_restores_the_device_default(tmp_path: Path) -> None:
+    # No state file, and a lowered limit in force (left by a run whose state file was lost).
+    gpus = [FakeGpu(limit_mw=300_000, default_mw=700_000)]
+
+    async def body() -> None:
+        limiter = NvmlLimiter([0], state_dir=tmp_path, nvml=fake_nvml(gpus))
+        await limiter.start()
+        assert not limiter.recovered and gpus[0].limit_mw == 300_000
+        assert limiter.default_w() == [700.0]
+        await limiter.set_total_w(400.0)
+        await limiter.restore()
+        assert gpus[0].limit_mw == 700_000
+        await limiter.close()
+
+    run(body())
+
+
+def test_zeusd_crash_recovery_restores_the_device_default_not_a_recorded_cap(
+    tmp_path: Path,
+) -> None:
+    # A state file written by a run that started under a lowered cap (and took it for the
+    # default, as an older powerbatch did): recovery puts the device's default back.
+    fake = FakeZeusd(gpus=[Gpu(limit_mw=250_000)])
+
+    async def body(url: str) -> None:
+        limiter = ZeusdLimiter(url, [0], state_dir=tmp_path)
+        limiter.state_file.write({"backend": "zeusd", "gpu_ids": [0], "restore_w": [300.0]})
+        await limiter.start()
+        assert limiter.recovered and fake.gpus[0].limit_mw == 700_000
+        assert limiter.default_w() == [700.0]
+        await limiter.close()
+
+    with_zeusd(fake, body)
+
+
 # ---- crash recovery -------------------------------------------------------------------------
 
 

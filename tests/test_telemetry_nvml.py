@@ -38,6 +38,8 @@ class FakeGpu:
     external_cap_mw: int | None = None  # a lower limit set by someone else
     fail: dict[str, int] = field(default_factory=dict)  # call name -> NVML error code
     field_status: int = pynvml.NVML_SUCCESS
+    uuid: str = ""  # nvmlDeviceGetHandleByUUID finds it by this
+    pci_bus_id: str = ""  # nvmlDeviceGetPciInfo's busId
 
 
 def fake_nvml(gpus: list[FakeGpu], *, init_error: int | None = None) -> Any:
@@ -97,7 +99,21 @@ def fake_nvml(gpus: list[FakeGpu], *, init_error: int | None = None) -> Any:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return gpus[index]
 
+    def handle_by_uuid(uuid: str | bytes) -> FakeGpu:
+        module.calls.append("nvmlDeviceGetHandleByUUID")
+        wanted = uuid.decode() if isinstance(uuid, bytes) else uuid
+        for gpu in gpus:
+            if gpu.uuid and gpu.uuid == wanted:
+                return gpu
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+
+    def pci_info(gpu: FakeGpu) -> Any:
+        guarded("nvmlDeviceGetPciInfo", gpu)
+        return types.SimpleNamespace(busId=gpu.pci_bus_id.encode())  # pynvml: bytes
+
     module.nvmlInit = init
+    module.nvmlDeviceGetHandleByUUID = handle_by_uuid
+    module.nvmlDeviceGetPciInfo = pci_info
     module.nvmlShutdown = lambda: module.calls.append("nvmlShutdown")
     module.nvmlDeviceGetCount = lambda: len(gpus)
     module.nvmlDeviceGetHandleByIndex = handle_by_index

@@ -178,7 +178,7 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
         upstream_scraper=scraper,
         source_averages=s.power.averages(kind),
         trace=open_trace(s.trace),
-        actuator=factory.make_actuator(s.limiter, s.power.gpu_indices()),
+        actuator=factory.make_actuator(s.limiter, s.power.gpu_indices(), dcgm_url=dcgm_url(s)),
         plan=plan_runner(s.shape, controller, lambda: queue_counts(queue)),
         ceiling=member,
         energy=s.energy,

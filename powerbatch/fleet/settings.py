@@ -19,7 +19,9 @@ class FleetSettings:
     fleet_budget_w: float = setting(
         0.0, "the budget, W: the sum every member's share stays under", ge=0
     )
-    fleet_redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis holding the budget")
+    fleet_redis_url: str = setting(
+        "redis://127.0.0.1:6379/0", "Redis holding the budget", secret=True
+    )
     fleet_member_id: str | None = setting(
         None, "this member's name in the budget", default_doc="host:port"
     )

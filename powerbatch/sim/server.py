@@ -36,7 +36,12 @@ from powerbatch.sim.engine import (
     SimRequest,
     StepRecord,
 )
-from powerbatch.sim.zeusd_api import DEFAULT_APPLY_DELAY_S, add_zeusd_routes
+from powerbatch.sim.zeusd_api import (
+    DEFAULT_APPLY_DELAY_S,
+    add_zeusd_routes,
+    sim_gpu_pci_bus_id,
+    sim_gpu_uuid,
+)
 from powerbatch.telemetry.trace import TraceRow, write_trace
 
 __all__ = [
@@ -569,9 +574,9 @@ class _SimCollector(Collector):
         e = self.engine
         profile = e.profile
         n = profile.num_gpus
-        gpu_labels = ["gpu", "UUID", "modelName", "Hostname"]
+        gpu_labels = ["gpu", "UUID", "pci_bus_id", "modelName", "Hostname"]
         per_gpu = [
-            [str(i), f"GPU-5151a000-0000-4000-8000-{i:012d}", profile.gpu_model_name, self.hostname]
+            [str(i), sim_gpu_uuid(i), sim_gpu_pci_bus_id(i), profile.gpu_model_name, self.hostname]
             for i in range(n)
         ]
         avg_w = e.average_power_w() / n

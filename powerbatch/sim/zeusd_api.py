@@ -32,11 +32,22 @@ from aiohttp import web
 from powerbatch.errors import PowerLimitError
 from powerbatch.sim.engine import SimEngine
 
-__all__ = ["DEFAULT_APPLY_DELAY_S", "add_zeusd_routes"]
+__all__ = ["DEFAULT_APPLY_DELAY_S", "add_zeusd_routes", "sim_gpu_pci_bus_id", "sim_gpu_uuid"]
 
 _log = logging.getLogger(__name__)
 DEFAULT_APPLY_DELAY_S = 0.1
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def sim_gpu_uuid(gpu: int) -> str:
+    """Simulated GPU `gpu`'s UUID, as NVML and dcgm-exporter's `UUID` label give it."""
+    return f"GPU-5151a000-0000-4000-8000-{gpu:012d}"
+
+
+def sim_gpu_pci_bus_id(gpu: int) -> str:
+    """Its PCI address as dcgm-exporter's `pci_bus_id` label and NVML's busId write it; zeusd's
+    /discover writes the same address with a 4-digit domain (`0000:18:00.0`)."""
+    return f"00000000:{gpu + 0x18:02X}:00.0"
 
 
 def _bad(message: str, status: int = 400) -> web.HTTPException:
@@ -94,7 +105,7 @@ class _ZeusdApi:
                     {
                         "id": i,
                         "name": profile.gpu_model_name,
-                        "pci_address": f"0000:{i + 0x18:02x}:00.0",
+                        "pci_address": sim_gpu_pci_bus_id(i)[4:].lower(),  # zeusd's spelling
                         "cumulative_energy_available": True,
                     }
                     for i in range(self.n)

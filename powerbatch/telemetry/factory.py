@@ -8,12 +8,14 @@ above) comes in as a callable, so nothing here imports it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 
-from powerbatch.errors import ConfigError
+from powerbatch.errors import ConfigError, TelemetryError
 from powerbatch.telemetry.base import PowerSource
 from powerbatch.telemetry.filters import HampelFilter
+from powerbatch.telemetry.gpu_ids import GpuId
 from powerbatch.telemetry.limiter import (
     LimitActuator,
     NoLimiter,
@@ -22,11 +24,16 @@ from powerbatch.telemetry.limiter import (
     ZeusdLimiter,
 )
 from powerbatch.telemetry.monitor import PowerMonitor
-from powerbatch.telemetry.nvml import NvmlPowerSource, default_power_limit_w, nvml_available
-from powerbatch.telemetry.prometheus import PrometheusPowerSource
+from powerbatch.telemetry.nvml import (
+    NvmlPowerSource,
+    default_power_limit_w,
+    nvml_available,
+    nvml_pci_bus_ids,
+)
+from powerbatch.telemetry.prometheus import PrometheusPowerSource, dcgm_pci_bus_ids
 from powerbatch.telemetry.replay import ReplayPowerSource
 from powerbatch.telemetry.settings import LimiterSettings, PowerSettings
-from powerbatch.telemetry.zeusd import ZeusdPowerSource
+from powerbatch.telemetry.zeusd import PciLookup, ZeusdPowerSource
 
 
 def source_kind(
@@ -46,6 +53,23 @@ def source_kind(
     )
 
 
+def pci_lookup(dcgm_url: str | None, *, nvml: ModuleType | None = None) -> PciLookup:
+    """How zeusd's GPUs are found by UUID (zeusd lists PCI addresses only): NVML in this
+    process where it sees the GPU, else the `pci_bus_id` label of a dcgm-exporter at
+    `dcgm_url`. A UUID neither knows is left out (the caller says what to fix)."""
+
+    async def lookup(uuids: Sequence[str]) -> Mapping[str, str]:
+        found = nvml_pci_bus_ids(uuids, nvml=nvml)
+        rest = [u for u in uuids if u not in found]
+        if rest and dcgm_url:
+            # Unreadable: those UUIDs stay unknown, and the caller's error says what to set.
+            with contextlib.suppress(TelemetryError):
+                found.update(await dcgm_pci_bus_ids(dcgm_url, rest))
+        return found
+
+    return lookup
+
+
 def make_power_source(
     power: PowerSettings,
     kind: str,
@@ -59,11 +83,16 @@ def make_power_source(
     if kind == "nvml":
         return NvmlPowerSource(power.gpu_indices())
     if kind == "dcgm" and dcgm_url:
-        return PrometheusPowerSource(dcgm_url, metric=power.dcgm_metric, labels={"gpu": power.gpus})
+        return PrometheusPowerSource(dcgm_url, metric=power.dcgm_metric, labels=power.dcgm_labels())
     if kind == "replay" and power.replay_trace:
         return ReplayPowerSource(power.replay_trace, clock="wall")
     if kind == "zeusd" and limiter.zeusd_url:
-        return ZeusdPowerSource(limiter.zeusd_url, power.gpu_indices(), token=limiter.zeusd_token)
+        return ZeusdPowerSource(
+            limiter.zeusd_url,
+            power.gpu_indices(),
+            token=limiter.zeusd_token,
+            pci_lookup=pci_lookup(dcgm_url),
+        )
     if kind == "model" and model is not None:
         return model()
     raise ConfigError(f"this host cannot read power from {kind!r} with these settings")
@@ -89,8 +118,11 @@ def device_max_w(power: PowerSettings, kind: str, max_w: float | None) -> float 
     return default_power_limit_w(power.gpu_indices())
 
 
-def make_limiter(settings: LimiterSettings, gpus: Sequence[int]) -> PowerLimiter:
-    """The configured backend, not started (call `await limiter.start()`)."""
+def make_limiter(
+    settings: LimiterSettings, gpus: Sequence[GpuId], *, dcgm_url: str | None = None
+) -> PowerLimiter:
+    """The configured backend, not started (call `await limiter.start()`); `dcgm_url` helps
+    zeusd find GPUs given by UUID (`pci_lookup`)."""
     if settings.power_limiter == "nvml":
         return NvmlLimiter(gpus, state_dir=settings.limit_state_dir)
     if settings.power_limiter == "zeusd":
@@ -101,13 +133,16 @@ def make_limiter(settings: LimiterSettings, gpus: Sequence[int]) -> PowerLimiter
             token=settings.zeusd_token,
             timeout_s=settings.limit_timeout_s,
             state_dir=settings.limit_state_dir,
+            pci_lookup=pci_lookup(dcgm_url),
         )
     return NoLimiter()
 
 
-def make_actuator(settings: LimiterSettings, gpus: Sequence[int]) -> LimitActuator | None:
+def make_actuator(
+    settings: LimiterSettings, gpus: Sequence[GpuId], *, dcgm_url: str | None = None
+) -> LimitActuator | None:
     """The configured limiter behind its actuator, or None for admission alone (not started:
     the control loop starts it first thing, so crash recovery runs before anything else)."""
     if settings.power_limiter == "none":
         return None
-    return LimitActuator.from_settings(make_limiter(settings, gpus), settings)
+    return LimitActuator.from_settings(make_limiter(settings, gpus, dcgm_url=dcgm_url), settings)

@@ -18,10 +18,16 @@ Safety lives below the controller, so no caller can get it wrong:
     than a minimum interval after the last change; cuts go through at once. A failed or timed-out
     change makes it `degraded` (with a reason) until a retry, on a backoff, succeeds.
 
-The default restored: NVML's nvmlDeviceGetPowerManagementDefaultLimit. zeusd's API has no
-default-limit read, so for it the limits in force when powerbatch first touched the GPUs stand in
-(recorded in the state file so a restart after a crash still knows them), as zeusd itself does
-for CPU limits ("original" settings, Zeus docs, zeusd deployment).
+The default restored comes from the device, never from the limit found at start: a process
+restarted after a crash (or one whose state file was lost) finds the lowered limit in force, and
+taking that for the default would keep the device lowered for good. With NVML it is
+nvmlDeviceGetPowerManagementDefaultLimit ("the power management limit that the device boots
+with", NVML API reference). zeusd's API has no default-limit read, so for it the highest limit
+the device accepts (the max of /gpu/get_power_limit_constraints, NVML's
+nvmlDeviceGetPowerManagementLimitConstraints behind it) stands in: on the data-center GPUs this
+project targets (A100, H100, H200 SXM) the boot default is that max (nvidia-smi -q -d POWER shows
+the same Default and Max Power Limit, the TDP). Where a card's max is above its default, restoring
+through zeusd leaves it at the max: still a limit the device accepts, never a lowered one.
 """
 
 from __future__ import annotations
@@ -41,14 +47,17 @@ from types import ModuleType
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from powerbatch.errors import (
+    ConfigError,
     LimiterPermissionDenied,
     LimiterTimeout,
     LimiterUnavailable,
     PowerLimitError,
+    TelemetryError,
 )
+from powerbatch.telemetry.gpu_ids import GpuId
 from powerbatch.telemetry.nvml import NvmlPowerLimiter
 from powerbatch.telemetry.settings import LimiterSettings
-from powerbatch.telemetry.zeusd import ZeusdClient, ZeusdRequestError
+from powerbatch.telemetry.zeusd import PciLookup, ZeusdClient, ZeusdRequestError, resolve_gpu_ids
 
 __all__ = [
     "LimitActuator",
@@ -74,7 +83,7 @@ class PowerLimiter(Protocol):
     """
 
     name: str
-    gpu_ids: tuple[int, ...]
+    gpu_ids: tuple[GpuId, ...]
     controls_device: bool
     changes_total: int
 
@@ -174,13 +183,15 @@ class _DeviceLimiter:
     backend = "device"
 
     def __init__(
-        self, gpu_ids: Sequence[int], *, tag: str, state_dir: str | Path | None = None
+        self, gpu_ids: Sequence[GpuId], *, tag: str, state_dir: str | Path | None = None
     ) -> None:
         if not gpu_ids:
             raise ValueError("gpu_ids must name at least one GPU")
         if len(set(gpu_ids)) != len(gpu_ids):
             raise ValueError(f"gpu_ids has duplicates: {list(gpu_ids)}")
-        self.gpu_ids = tuple(int(i) for i in gpu_ids)
+        self.gpu_ids: tuple[GpuId, ...] = tuple(
+            i if isinstance(i, str) else int(i) for i in gpu_ids
+        )
         self.name = f"{tag}:{','.join(map(str, self.gpu_ids))}"
         directory = Path(state_dir) if state_dir is not None else default_state_dir()
         gpus = "_".join(map(str, self.gpu_ids))
@@ -323,7 +334,7 @@ class NvmlLimiter(_DeviceLimiter):
 
     def __init__(
         self,
-        gpu_ids: Sequence[int] = (0,),
+        gpu_ids: Sequence[GpuId] = (0,),
         *,
         state_dir: str | Path | None = None,
         nvml: ModuleType | None = None,
@@ -386,28 +397,39 @@ def _limit_errors() -> Iterator[None]:
 
 
 class ZeusdLimiter(_DeviceLimiter):
-    """Through zeusd's `/gpu/set_power_limit` (block=true: the answer comes once it is applied)."""
+    """Through zeusd's `/gpu/set_power_limit` (block=true: the answer comes once it is applied).
+
+    The default it restores, after a crash too, is each GPU's highest allowed limit: zeusd
+    reports no default (see the module docstring).
+    """
 
     backend = "zeusd"
 
     def __init__(
         self,
         url: str,
-        gpu_ids: Sequence[int] = (0,),
+        gpu_ids: Sequence[GpuId] = (0,),
         *,
         token: str | None = None,
         timeout_s: float = 2.0,
         state_dir: str | Path | None = None,
         client: ZeusdClient | None = None,
+        pci_lookup: PciLookup | None = None,
     ) -> None:
         self._client = client or ZeusdClient(url, token=token, timeout_s=timeout_s)
         self._token = token
+        self._pci_lookup = pci_lookup
+        self._ids: list[int] = []  # zeusd's index of each GPU, found at start
         super().__init__(gpu_ids, tag=f"zeusd:{self._client.endpoint}", state_dir=state_dir)
 
     async def _open(self) -> tuple[list[tuple[float, float]], list[float]]:
         with _limit_errors():
             gpus, groups, auth_required = await self._client.discover()
-            missing = sorted(set(self.gpu_ids) - {g.id for g in gpus})
+            try:
+                self._ids = await resolve_gpu_ids(self.gpu_ids, gpus, self._pci_lookup)
+            except (ConfigError, TelemetryError) as exc:
+                raise LimiterUnavailable(str(exc)) from exc
+            missing = sorted(set(self._ids) - {g.id for g in gpus})
             if missing:
                 raise LimiterUnavailable(
                     f"zeusd at {self._client.endpoint} has no GPU {missing} "
@@ -423,26 +445,22 @@ class ZeusdLimiter(_DeviceLimiter):
                     f"zeusd at {self._client.endpoint} requires a token: set zeusd_token to one "
                     "scoped to gpu-read,gpu-control"
                 )
-            constraints = await self._client.get_power_limit_constraints_mw(self.gpu_ids)
-            current = await self._client.get_power_limit_mw(self.gpu_ids)
-        return (
-            [(constraints[i][0] / 1000.0, constraints[i][1] / 1000.0) for i in self.gpu_ids],
-            [current[i] / 1000.0 for i in self.gpu_ids],
-        )
-
-    def _recovery_w(self, record: dict[str, Any], default_w: list[float]) -> list[float]:
-        """zeusd reads no default: the limits recorded before the crashed run's first change."""
-        return self._recorded_w(record)
+            constraints = await self._client.get_power_limit_constraints_mw(self._ids)
+        constraints_w = [
+            (constraints[i][0] / 1000.0, constraints[i][1] / 1000.0) for i in self._ids
+        ]
+        # zeusd reads no default limit: the device's max stands in (see the module docstring).
+        return constraints_w, [hi for _, hi in constraints_w]
 
     async def _read_w(self) -> list[float]:
         with _limit_errors():
-            current = await self._client.get_power_limit_mw(self.gpu_ids)
-        return [current[i] / 1000.0 for i in self.gpu_ids]
+            current = await self._client.get_power_limit_mw(self._ids)
+        return [current[i] / 1000.0 for i in self._ids]
 
     async def _write_w(self, limits_w: Sequence[float]) -> None:
         constraints_w = self._constraints_w
         groups: dict[int, list[int]] = {}
-        for slot, (gpu, limit_w) in enumerate(zip(self.gpu_ids, limits_w, strict=True)):
+        for slot, (gpu, limit_w) in enumerate(zip(self._ids, limits_w, strict=True)):
             mw = round(limit_w * 1000.0)
             if constraints_w is not None:  # clamp again in mW: rounding must not step outside
                 lo, hi = constraints_w[slot]
@@ -461,7 +479,7 @@ class NoLimiter:
     `set_total_w` answers inf (no limit in force)."""
 
     name = "none"
-    gpu_ids: tuple[int, ...] = ()
+    gpu_ids: tuple[GpuId, ...] = ()
     controls_device = False
     changes_total = 0
 

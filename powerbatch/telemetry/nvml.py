@@ -26,6 +26,7 @@ from powerbatch.errors import (
     SensorUnavailable,
 )
 from powerbatch.telemetry.base import PowerSample
+from powerbatch.telemetry.gpu_ids import GpuId
 
 _T = TypeVar("_T")
 
@@ -78,9 +79,11 @@ def _field_value(nvml: ModuleType, field: Any) -> float:
 
 
 class _NvmlHandles:
-    """nvmlInit once and one handle per GPU index; shared by the source and the limiter."""
+    """nvmlInit once and one handle per GPU, by index or by UUID (nvmlDeviceGetHandleByUUID:
+    in a container, NVML numbers only the GPUs it was given, so an index is this process's, a
+    UUID the node's); shared by the source and the limiter."""
 
-    def __init__(self, nvml: ModuleType, gpu_indices: Sequence[int]) -> None:
+    def __init__(self, nvml: ModuleType, gpu_indices: Sequence[GpuId]) -> None:
         if not gpu_indices:
             raise ValueError("gpu_indices must name at least one GPU")
         if len(set(gpu_indices)) != len(gpu_indices):
@@ -94,15 +97,19 @@ class _NvmlHandles:
             raise SensorUnavailable(f"NVML init failed: {exc}") from exc
         try:
             count = int(nvml.nvmlDeviceGetCount())
-            missing = [i for i in self.indices if not 0 <= i < count]
+            missing = [i for i in self.indices if isinstance(i, int) and not 0 <= i < count]
             if missing:
                 raise SensorUnavailable(f"no GPU at index {missing} (NVML sees {count} GPUs)")
             self.handles: list[Any] = []
-            for index in self.indices:
+            for gpu in self.indices:
                 try:
-                    self.handles.append(nvml.nvmlDeviceGetHandleByIndex(index))
+                    if isinstance(gpu, str):
+                        self.handles.append(nvml.nvmlDeviceGetHandleByUUID(gpu))
+                    else:
+                        self.handles.append(nvml.nvmlDeviceGetHandleByIndex(gpu))
                 except nvml.NVMLError as exc:
-                    raise SensorUnavailable(f"GPU {index}: no NVML handle: {exc}") from exc
+                    seen = f"NVML sees {count} GPUs here; check NVIDIA_VISIBLE_DEVICES"
+                    raise SensorUnavailable(f"GPU {gpu}: no NVML handle: {exc} ({seen})") from exc
         except BaseException:
             self.shutdown()
             raise
@@ -127,7 +134,7 @@ class NvmlPowerSource:
 
     def __init__(
         self,
-        gpu_indices: Sequence[int] = (0,),
+        gpu_indices: Sequence[GpuId] = (0,),
         *,
         prefer_instant: bool = True,
         nvml: ModuleType | None = None,
@@ -149,7 +156,7 @@ class NvmlPowerSource:
         """Per GPU: whether the instant power field is in use (None until the first read)."""
         return list(self._instant)
 
-    def _map(self, exc: Exception, index: int, what: str) -> SensorUnavailable | SensorReadError:
+    def _map(self, exc: Exception, index: GpuId, what: str) -> SensorUnavailable | SensorReadError:
         message = f"GPU {index}: {what} failed: {exc}"
         if _error_code(exc) in self._unavailable:
             return SensorUnavailable(message)
@@ -220,7 +227,7 @@ class NvmlPowerLimiter:
     """
 
     def __init__(
-        self, gpu_indices: Sequence[int] = (0,), *, nvml: ModuleType | None = None
+        self, gpu_indices: Sequence[GpuId] = (0,), *, nvml: ModuleType | None = None
     ) -> None:
         try:
             self._nvml = _load(nvml)
@@ -238,7 +245,7 @@ class NvmlPowerLimiter:
         min_mw, max_mw = self._nvml.nvmlDeviceGetPowerManagementLimitConstraints(handle)
         return float(min_mw) / 1000.0, float(max_mw) / 1000.0
 
-    def _error(self, exc: Exception, index: int, what: str) -> PowerLimitError:
+    def _error(self, exc: Exception, index: GpuId, what: str) -> PowerLimitError:
         if _error_code(exc) in self._no_permission:
             return LimiterPermissionDenied(
                 f"GPU {index}: {what}: no permission; setting power limits needs root or "
@@ -300,7 +307,7 @@ class NvmlPowerLimiter:
 
 
 def default_power_limit_w(
-    gpu_indices: Sequence[int] = (0,), *, nvml: ModuleType | None = None
+    gpu_indices: Sequence[GpuId] = (0,), *, nvml: ModuleType | None = None
 ) -> float | None:
     """The GPU set's factory power limit (its TDP), summed; None where NVML cannot say.
 
@@ -317,6 +324,28 @@ def default_power_limit_w(
         return None
     finally:
         limiter.close()
+
+
+def nvml_pci_bus_ids(uuids: Sequence[str], *, nvml: ModuleType | None = None) -> dict[str, str]:
+    """The PCI bus ID (nvmlDeviceGetPciInfo's busId) of each GPU UUID this process's NVML sees;
+    the others are left out, and an NVML that cannot start gives {}. Never raises."""
+    try:
+        module = _load(nvml)
+        module.nvmlInit()
+    except Exception:
+        return {}
+    found: dict[str, str] = {}
+    try:
+        for uuid in uuids:
+            try:
+                bus_id = module.nvmlDeviceGetPciInfo(module.nvmlDeviceGetHandleByUUID(uuid)).busId
+            except module.NVMLError:
+                continue
+            found[uuid] = bus_id.decode() if isinstance(bus_id, bytes) else str(bus_id)
+        return found
+    finally:
+        with contextlib.suppress(Exception):
+            module.nvmlShutdown()
 
 
 def nvml_available(nvml: ModuleType | None = None) -> bool:

@@ -223,3 +223,21 @@ class UpstreamMetricsScraper:
 
     async def close(self) -> None:
         await self._endpoint.close()
+
+
+async def dcgm_pci_bus_ids(
+    url: str, uuids: Sequence[str], *, timeout_s: float = 2.0
+) -> dict[str, str]:
+    """The PCI bus ID of each GPU UUID, from any dcgm-exporter series at `url` that carries both
+    labels (`UUID`, `pci_bus_id`); UUIDs it does not list are left out. TelemetryError if the
+    endpoint cannot be read."""
+    wanted = set(uuids)
+    async with aiohttp.ClientSession() as session:
+        scrape = await _fetch(session, url, timeout_s)
+    found: dict[str, str] = {}
+    for samples in scrape.samples.values():
+        for sample in samples:
+            uuid, bus_id = sample.labels.get("UUID"), sample.labels.get("pci_bus_id")
+            if uuid in wanted and bus_id:
+                found[uuid] = bus_id
+    return found

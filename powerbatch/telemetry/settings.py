@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
 from powerbatch.errors import ConfigError
 from powerbatch.settings import check_bounds, setting
+from powerbatch.telemetry.gpu_ids import GpuId, is_gpu_uuid, parse_gpu_ids, visible_uuids
 
 SourceKind = Literal["auto", "nvml", "dcgm", "zeusd", "replay", "model"]
 
@@ -22,7 +24,10 @@ class PowerSettings:
         "trace) or model (plugin: the simulator's power model fed with the engine's real steps)",
     )
     gpus: tuple[str, ...] = setting(
-        ("0",), "GPU indices (nvml) or `gpu` label values (dcgm), comma-separated or a list"
+        (),
+        "the GPUs to meter and limit, comma-separated or a list: UUIDs (GPU-…, the same GPU to "
+        "NVML, dcgm and zeusd) or indices (NVML's in this process, dcgm's `gpu` label, zeusd's)",
+        default_doc="the UUIDs in NVIDIA_VISIBLE_DEVICES where it holds UUIDs, else 0",
     )
     dcgm_url: str | None = setting(
         None,
@@ -46,8 +51,10 @@ class PowerSettings:
 
     def __post_init__(self) -> None:
         check_bounds(self)
-        if not self.gpus:
-            raise ConfigError("gpus must name at least one GPU")
+        gpus = tuple(g.strip() for g in self.gpus if g.strip())
+        # Unset: the GPUs the device plugin gave this container, else GPU 0.
+        object.__setattr__(self, "gpus", gpus or visible_uuids(os.environ) or ("0",))
+        parse_gpu_ids(self.gpus)
         if self.power_source == "replay" and not self.replay_trace:
             raise ConfigError("power_source replay needs replay_trace (--replay-trace)")
         if self.stale_after_s < self.power_interval_s:
@@ -56,14 +63,15 @@ class PowerSettings:
                 f"interval ({self.power_interval_s:g} s): every reading would be stale"
             )
 
-    def gpu_indices(self) -> list[int]:
-        """The GPUs as NVML indices."""
-        try:
-            return [int(g) for g in self.gpus]
-        except ValueError:
-            raise ConfigError(
-                f"gpus must be integers for NVML, got {','.join(self.gpus)}"
-            ) from None
+    def gpu_indices(self) -> list[GpuId]:
+        """The GPUs as indices (int) or UUIDs (str): each backend finds a UUID its own way
+        (powerbatch.telemetry.gpu_ids)."""
+        return parse_gpu_ids(self.gpus)
+
+    def dcgm_labels(self) -> dict[str, tuple[str, ...]]:
+        """dcgm-exporter's series of these GPUs: by `UUID`, else by the `gpu` index label."""
+        uuids = all(is_gpu_uuid(g) for g in self.gpus)
+        return {"UUID" if uuids else "gpu": self.gpus}
 
     def averages(self, kind: str) -> bool:
         """Whether source `kind` (resolved, not auto) reports a 1-second mean itself:

@@ -23,17 +23,31 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import aiohttp
 
-from powerbatch.errors import PowerbatchError, SensorReadError, SensorUnavailable, TelemetryError
+from powerbatch.errors import (
+    ConfigError,
+    PowerbatchError,
+    SensorReadError,
+    SensorUnavailable,
+    TelemetryError,
+)
 from powerbatch.telemetry.base import PowerSample
+from powerbatch.telemetry.gpu_ids import GpuId, zeusd_indices
 
-__all__ = ["ZeusdClient", "ZeusdGpu", "ZeusdPowerSource", "ZeusdRequestError"]
+__all__ = [
+    "PciLookup",
+    "ZeusdClient",
+    "ZeusdGpu",
+    "ZeusdPowerSource",
+    "ZeusdRequestError",
+    "resolve_gpu_ids",
+]
 
 ErrorKind = Literal["unreachable", "unauthorized", "forbidden", "bad_request", "timeout", "failed"]
 
@@ -54,6 +68,7 @@ class ZeusdGpu:
     id: int
     name: str
     cumulative_energy_available: bool
+    pci_address: str = ""  # domain:bus:device.function, as lspci -D writes it
 
 
 def _kind(status: int) -> ErrorKind:
@@ -70,7 +85,7 @@ def _kind(status: int) -> ErrorKind:
     return "failed"
 
 
-def _ids(gpu_ids: Sequence[int]) -> str:
+def _ids(gpu_ids: Sequence[GpuId]) -> str:
     return ",".join(str(i) for i in gpu_ids)
 
 
@@ -150,7 +165,10 @@ class ZeusdClient:
         try:
             gpus = [
                 ZeusdGpu(
-                    int(g["id"]), str(g.get("name", "")), bool(g["cumulative_energy_available"])
+                    int(g["id"]),
+                    str(g.get("name", "")),
+                    bool(g["cumulative_energy_available"]),
+                    str(g.get("pci_address", "")),
                 )
                 for g in data["gpus"]
             ]
@@ -203,6 +221,20 @@ class ZeusdClient:
             self._session = None
 
 
+PciLookup = Callable[[Sequence[str]], Awaitable[Mapping[str, str]]]
+"""GPU UUIDs to PCI bus IDs, for the ones it can find (powerbatch.telemetry.factory's)."""
+
+
+async def resolve_gpu_ids(
+    gpu_ids: Sequence[GpuId], gpus: Sequence[ZeusdGpu], pci_lookup: PciLookup | None
+) -> list[int]:
+    """zeusd's index for each GPU (`gpu_ids` as given: indices, or UUIDs matched through their
+    PCI address to /discover's `gpus`); ConfigError, naming the fixes, for one not found."""
+    uuids = [g for g in gpu_ids if isinstance(g, str)]
+    pci_of_uuid = dict(await pci_lookup(uuids)) if uuids and pci_lookup is not None else {}
+    return zeusd_indices(gpu_ids, {g.id: g.pci_address for g in gpus}, pci_of_uuid)
+
+
 def _telemetry_error(exc: ZeusdRequestError) -> TelemetryError:
     if exc.kind in ("unreachable", "unauthorized", "forbidden", "timeout"):
         return SensorUnavailable(str(exc))
@@ -219,37 +251,43 @@ class ZeusdPowerSource:
     def __init__(
         self,
         url: str,
-        gpu_ids: Sequence[int] = (0,),
+        gpu_ids: Sequence[GpuId] = (0,),
         *,
         token: str | None = None,
         timeout_s: float = 1.0,
         client: ZeusdClient | None = None,
+        pci_lookup: PciLookup | None = None,
     ) -> None:
         if not gpu_ids:
             raise ValueError("gpu_ids must name at least one GPU")
         self._client = client or ZeusdClient(url, token=token, timeout_s=timeout_s)
         self.gpu_ids = tuple(gpu_ids)
         self.name = f"zeusd:{self._client.endpoint}:{_ids(self.gpu_ids)}"
+        self._pci_lookup = pci_lookup
+        self._ids: list[int] = []  # zeusd's indices, once /discover is asked
         self._energy: bool | None = None  # None: /discover not asked yet
 
     async def _energy_available(self) -> bool:
         if self._energy is None:
             gpus, _, _ = await self._client.discover()
+            try:
+                ids = await resolve_gpu_ids(self.gpu_ids, gpus, self._pci_lookup)
+            except (ConfigError, TelemetryError) as exc:
+                raise SensorUnavailable(str(exc)) from exc
             known = {g.id: g for g in gpus}
-            missing = [i for i in self.gpu_ids if i not in known]
+            missing = [i for i in ids if i not in known]
             if missing:
                 raise SensorUnavailable(f"zeusd at {self._client.endpoint} has no GPU {missing}")
-            self._energy = all(known[i].cumulative_energy_available for i in self.gpu_ids)
+            self._ids = ids
+            self._energy = all(known[i].cumulative_energy_available for i in ids)
         return self._energy
 
     async def read(self) -> PowerSample:
         try:
             energy = await self._energy_available()
-            power_mw = await self._client.get_power_mw(self.gpu_ids)
+            power_mw = await self._client.get_power_mw(self._ids)
             t_s = time.monotonic()
-            energy_mj = (
-                await self._client.get_cumulative_energy_mj(self.gpu_ids) if energy else None
-            )
+            energy_mj = await self._client.get_cumulative_energy_mj(self._ids) if energy else None
         except ZeusdRequestError as exc:
             raise _telemetry_error(exc) from exc
         total_w = sum(power_mw.values()) / 1000.0

@@ -241,7 +241,9 @@ class ControlThread:
             trace=open_trace(cfg.trace),
             # Created here, started (crash recovery first) and used on the control thread's
             # own event loop, which owns its HTTP session.
-            actuator=factory.make_actuator(cfg.limiter, cfg.power.gpu_indices()),
+            actuator=factory.make_actuator(
+                cfg.limiter, cfg.power.gpu_indices(), dcgm_url=cfg.power.dcgm_url
+            ),
             ceiling=member,
             plan=plan,
         )
