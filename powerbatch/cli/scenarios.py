@@ -100,7 +100,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--drain-timeout-s",
         type=float,
-        default=30.0,
+        default=20.0,
         help="how long after the load each run waits for answers (the rest are dropped)",
     )
     p.add_argument("--arms", default=",".join(ARMS))
@@ -166,9 +166,11 @@ async def run_arm(arm: str, sc: Scenario, a: argparse.Namespace, log_dir: Path) 
                 history = await fetch_json(
                     session, f"{stack.proxy_url}/status/history?since_s={t0 - 10}"
                 )
-    return RunData(
+    run = RunData(
         arm, sc.plant.ceiling_w, sc.load.profile, t0, a.duration_s, results, trace, history
     )
+    run.extra["planned"] = len(plan)
+    return run
 
 
 def interactive_stream_ttft(run: RunData) -> tuple[float | None, int]:
@@ -199,6 +201,8 @@ def arm_summary(run: RunData, a: argparse.Namespace) -> dict[str, Any]:
     ttft, n = interactive_stream_ttft(run)
     s["ttft_p95_interactive_stream_s"] = ttft
     s["interactive_streams"] = n
+    # Requests still unanswered --drain-timeout-s after the load ended are dropped, not counted.
+    s["dropped"] = int(run.extra.get("planned", len(run.results))) - len(run.results)
     return s
 
 
@@ -286,11 +290,15 @@ def absolute_medians(scenarios: list[Scenario], arms: list[str]) -> dict[str, di
     for arm in arms:
         runs = [sc.runs[arm] for sc in scenarios if arm in sc.runs]
         med: dict[str, Any] = {}
-        for key in ("power_std_bound_w", "power_std_w", "http_429"):
+        for key in ("power_std_bound_w", "power_std_w", "http_429", "dropped"):
             xs = [r[key] for r in runs if r.get(key) is not None]
             med[key] = float(np.median(xs)) if xs else None
         out[arm] = med
     return out
+
+
+def _w(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1f} W"
 
 
 def print_table(dist: dict[str, Any], arms: list[str], console: Console, title: str) -> None:
@@ -395,7 +403,7 @@ async def run_all(
                 f"tok/s {s['output_tok_s']:7.0f}  J/tok {s['j_per_token'] or 0:6.3f}  "
                 f"goodput {s['goodput_rps']:5.2f}  ttft95(int,stream) "
                 f"{s['ttft_p95_interactive_stream_s'] or float('nan'):6.2f} s  "
-                f"ok {s['ok']}/{s['requests']}"
+                f"ok {s['ok']}/{s['requests']}, dropped {s['dropped']}"
             )
         add_bound_sd(sc)
         kept[sc.index] = runs
@@ -427,6 +435,14 @@ def main(a: argparse.Namespace) -> int:
         "each arm against the hardware cap"
     )
     print_table(dist, arms, console, title)
+    medians = absolute_medians(scenarios, arms)
+    for arm in arms:
+        m = medians[arm]
+        console.print(
+            f"  {arm:10s} medians: sd of 1-s power where power binds "
+            f"{_w(m['power_std_bound_w'])}, whole run {_w(m['power_std_w'])}; "
+            f"429s {m['http_429']}, dropped {m['dropped']}"
+        )
     worst = {
         arm: [scenarios[i].index for i in worst_scenarios(scenarios, per_scenario, arm)]
         for arm in PROXIED
@@ -439,7 +455,7 @@ def main(a: argparse.Namespace) -> int:
                 "args": {k: str(v) for k, v in vars(a).items() if k != "func"},
                 "wall_s": wall_s,
                 "distribution": dist,
-                "medians_abs": absolute_medians(scenarios, arms),
+                "medians_abs": medians,
                 "worst": worst,
                 "scenarios": [
                     {**sc.params(), "figures": f, "runs": sc.runs}

@@ -33,7 +33,7 @@ RANGES: dict[str, Any] = {
     "num_gpus": (1, 2, 4, 8),
     "base_frac": (0.10, 0.80),  # decode power at batch 1, share of the ceiling
     "idle_over_base": (0.5, 1.0),  # idle power over base power (idle >= 10 % of the ceiling)
-    "top_over_headroom": (1.15, 2.3),  # (top - base) / (ceiling - base): 1/position of the cap
+    "top_over_headroom": (1.1, 2.0),  # (top - base) / (ceiling - base): the cap above mid draw
     "tdp_use": (0.75, 1.0),  # top decode power over the set's TDP
     "bind_log2_batch": (3.0, 7.0),  # the ceiling binds at a batch of 8..128
     "dec_k": (0.3, 2.5),  # logistic slope in log2(batch): near linear .. sharp (log-uniform)
