@@ -58,7 +58,7 @@ def test_plant_draws_cover_every_range_at_both_ends() -> None:
         _hits_both_ends(vals, *RANGES[key])
     _hits_both_ends([x["noise_sigma_w_per_gpu"] for x in d], *RANGES["noise_sigma_w_per_gpu"])
     _hits_both_ends([math.log2(x["bind_batch"]) for x in d], *RANGES["bind_log2_batch"])
-    _hits_both_ends([x["idle_frac"] for x in d], 0.10, 0.80, tol=0.15)
+    _hits_both_ends([x["idle_frac"] for x in d], 0.10, 0.85, tol=0.15)
     log_ranges = {
         "dec_k": [p.profile.dec_k for p in plants],
         "prefill_tok_s_per_gpu": [p.profile.prefill_tok_s / p.profile.num_gpus for p in plants],
@@ -78,12 +78,12 @@ def test_plant_draws_cover_every_range_at_both_ends() -> None:
     assert max(j) / min(j) > 10  # light to heavy prompts
 
 
-def test_every_drawn_ceiling_binds_between_mid_and_top_draw() -> None:
+def test_every_drawn_ceiling_binds_between_base_and_top_draw() -> None:
     for p in _plants(seed=1):
         prof = p.profile
         base, top = prof.dec_base_w, prof.dec_base_w + prof.dec_span_w
         assert prof.idle_w <= base + 1e-9
-        assert base + prof.dec_span_w / 2 <= p.ceiling_w < top <= prof.tdp_w + 1e-6
+        assert base + prof.dec_span_w / 3.5 - 1e-6 <= p.ceiling_w < top <= prof.tdp_w + 1e-6
         assert p.ceiling_w / prof.num_gpus >= prof.min_limit_w_per_gpu  # a limiter can reach it
         b = p.draw["bind_batch"]  # decode alone meets the ceiling at the drawn batch
         assert decode_power_w(prof, math.floor(b)) <= p.ceiling_w + 1e-6

@@ -3,8 +3,9 @@
 A plant is a `GpuProfile` drawn from wide ranges (`RANGES`, docs/scenarios.md), so that no law
 can be tuned to one calibrated profile. Where gpu_model.py cites a figure, the range brackets it:
 the named profiles ([G2G] fits for Llama-3.1-8B on one H100 and Llama-70B on four, the [IPC]
-decode-light H200) each fall inside. The ceiling is drawn with the plant so that power binds
-part of the time: it sits between the plant's mid and top decode draw, at a batch of 8 to 128.
+decode-light H200) fall inside or at the edges (docs/scenarios.md). The ceiling is drawn with
+the plant so that power binds part of the time: between 29 % and 91 % of the way from the base
+to the top decode draw, at a batch of 8 to 128.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ METERS: dict[str, tuple[float, float]] = {
 
 RANGES: dict[str, Any] = {
     "num_gpus": (1, 2, 4, 8),
-    "base_frac": (0.10, 0.80),  # decode power at batch 1, share of the ceiling
+    "base_frac": (0.10, 0.85),  # decode power at batch 1, share of the ceiling
     "idle_over_base": (0.5, 1.0),  # idle power over base power (idle >= 10 % of the ceiling)
-    "top_over_headroom": (1.1, 2.0),  # (top - base) / (ceiling - base): the cap above mid draw
-    "tdp_use": (0.75, 1.0),  # top decode power over the set's TDP
+    "top_over_headroom": (1.1, 3.5),  # (top - base) / (ceiling - base): 1 / the cap's place
+    "tdp_use": (0.4, 1.0),  # top decode power over the set's TDP ([IPC]: 300 of 700 W)
     "bind_log2_batch": (3.0, 7.0),  # the ceiling binds at a batch of 8..128
     "dec_k": (0.3, 2.5),  # logistic slope in log2(batch): near linear .. sharp (log-uniform)
     "prefill_power_frac": (0.5, 1.0),  # prefill power over TDP (at least the top decode power)
@@ -53,6 +54,7 @@ RANGES: dict[str, Any] = {
 }
 TDP_W_PER_GPU = 700.0  # H100/H200 SXM board limit; NVML's constraints 200-700 W (gpu_model.py)
 MIN_LIMIT_W_PER_GPU = 200.0
+MIN_CEILING_OVER_LIMIT = 1.1  # the ceiling per GPU stays 10 % above the lowest settable limit
 KV_TOKENS_PER_REQUEST = 1_000  # the sizing guess for a binding KV cache (chat-like requests)
 KV_FREE_TOKENS_PER_GPU = 400_000  # gpu_model.DEFAULT_KV_CAPACITY_TOKENS: does not bind
 
@@ -142,7 +144,12 @@ def draw_plant(rng: np.random.Generator, name: str = "drawn") -> Plant:
     idle_frac = max(base_frac * _u(rng, "idle_over_base"), RANGES["base_frac"][0])
     g = _u(rng, "top_over_headroom")
     top_over_ceiling = base_frac + (1.0 - base_frac) * g
-    ceiling = tdp * _u(rng, "tdp_use") / top_over_ceiling
+    tdp_use = _u(rng, "tdp_use")
+    ceiling = tdp * tdp_use / top_over_ceiling
+    if ceiling < MIN_CEILING_OVER_LIMIT * MIN_LIMIT_W_PER_GPU * n:  # a limiter must reach it
+        ceiling = MIN_CEILING_OVER_LIMIT * MIN_LIMIT_W_PER_GPU * n
+        g = (tdp * tdp_use / ceiling - base_frac) / (1.0 - base_frac)
+        top_over_ceiling = base_frac + (1.0 - base_frac) * g
     base = base_frac * ceiling
     span = (1.0 - base_frac) * g * ceiling
     x_bind = _u(rng, "bind_log2_batch")
