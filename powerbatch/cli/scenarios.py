@@ -49,8 +49,10 @@ FIGURES: dict[str, tuple[str, str, bool]] = {
     "j_per_token": ("J per output token over the cap's", "ratio", False),
     "goodput": ("goodput over the cap's", "ratio", True),
     "ttft_p95": ("interactive streaming TTFT p95 over the cap's", "ratio", False),
-    "sd_bound": ("sd of 1-s power in power-bound seconds over the cap's", "ratio", False),
-    "sd_all": ("sd of 1-s power, whole run, over the cap's", "ratio", False),
+    # The cap holds power-bound seconds at its limit (sd ~0), so a ratio to it means nothing:
+    # the sd figures are watts, for every arm, the cap's and no control's included.
+    "sd_bound": ("sd of 1-s power in power-bound seconds, W", "abs", False),
+    "sd_all": ("sd of 1-s power, whole run, W", "abs", False),
 }
 MIN_TTFT_SAMPLES = 3  # fewer interactive streams than this: no p95 worth a ratio
 
@@ -109,6 +111,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--tpot-slo-s", type=float, default=0.1, help="goodput's time/token bound")
     p.add_argument("--out", type=Path, default=Path("results/scenarios"))
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="recompute the distributions, table and distributions.png from --out's results.json",
+    )
     p.set_defaults(func=main)
 
 
@@ -248,8 +255,8 @@ def scenario_figures(sc: Scenario) -> dict[str, dict[str, float | None]]:
             )
             if ok_ttft
             else None,
-            "sd_bound": _ratio(s["power_std_bound_w"], cap["power_std_bound_w"]),
-            "sd_all": _ratio(s["power_std_w"], cap["power_std_w"]),
+            "sd_bound": s["power_std_bound_w"],
+            "sd_all": s["power_std_w"],
         }
     return out
 
@@ -316,7 +323,7 @@ def print_table(dist: dict[str, Any], arms: list[str], console: Console, title: 
             if not d["n"]:
                 cells.append("—")
                 continue
-            spec = ".2f"
+            spec = ".1f" if FIGURES.get(key, ("", "abs", False))[1] == "abs" else ".2f"
             cells.append(f"{d['median']:{spec}} / {d['worst_decile']:{spec}} / {d['worst']:{spec}}")
         t.add_row(label, *cells)
     console.print(t)
@@ -349,9 +356,9 @@ def plot_distributions(
             ax.hlines(np.median(ys), i - 0.3, i + 0.3, color="black", lw=2)
         ax.set_xticks(range(len(arms)), arms, fontsize=8)
         ax.set_title(labels[key], fontsize=8)
-        if key not in ("over_pct", "over_pp"):
+        if FIGURES.get(key, ("", "abs", False))[1] == "ratio":
             ax.axhline(1.0, color="red", ls="--", lw=0.8)
-            if key in ("ttft_p95", "sd_bound", "sd_all"):
+            if key == "ttft_p95":
                 ax.set_yscale("log")
     for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
@@ -410,11 +417,39 @@ async def run_all(
     return kept
 
 
+def report_only(a: argparse.Namespace, console: Console) -> int:
+    """Recompute the figures from the stored runs: a change to how they are compared needs no
+    rerun."""
+    path = a.out / "results.json"
+    data = json.loads(path.read_text())
+    arms = list(data["scenarios"][0]["runs"])
+    scenarios = []
+    for d in data["scenarios"]:
+        sc = draw_scenario(
+            a.seed if "seed" not in data["args"] else int(data["args"]["seed"]), d["index"]
+        )
+        sc.runs = d["runs"]
+        scenarios.append(sc)
+    per_scenario = [scenario_figures(sc) for sc in scenarios]
+    for d, f in zip(data["scenarios"], per_scenario, strict=True):
+        d["figures"] = f
+    data["distribution"] = distributions(per_scenario, arms)
+    data["medians_abs"] = absolute_medians(scenarios, arms)
+    print_table(data["distribution"], arms, console, data["title"])
+    path.write_text(json.dumps(data, indent=1))
+    if not a.no_plots:
+        plot_distributions(per_scenario, arms, a.out / "distributions.png", data["title"])
+    console.print(f"rewrote {path}")
+    return 0
+
+
 def main(a: argparse.Namespace) -> int:
     require_cli_extra("powerbatch scenarios")
     from rich.console import Console
 
     console = Console(width=max(Console().width, 140))  # the table's five columns
+    if a.report_only:
+        return report_only(a, console)
     arms = [x.strip() for x in a.arms.split(",") if x.strip()]
     if set(arms) - set(ARMS) or "hwcap" not in arms:
         console.print(f"[red]arms must include hwcap and be among {', '.join(ARMS)}")
