@@ -80,11 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(serve, SERVE)
 
-    from powerbatch.cli import bench, demo, fleet_bench, load, replay
+    from powerbatch.cli import bench, demo, fleet_bench, load, replay, scenarios
 
     demo.add_parser(sub)
     replay.add_parser(sub)
     bench.add_parser(sub)
+    scenarios.add_parser(sub)
     fleet_bench.add_parser(sub)
     load.add_parser(sub)
     sub.add_parser("config-reference", help="print every serve setting as a markdown table")

@@ -27,7 +27,9 @@ from powerbatch.sim.gpu_model import (
     DEFAULT_PROFILE,
     PROFILES,
     GpuProfile,
+    mean_noise_factor,
     noisy_readings_w,
+    ou_noise_step_w,
     step_time_s,
 )
 
@@ -204,6 +206,10 @@ class SimEngine:
         self.max_lag_s = max_lag_s
         self._power_limit_w = self.profile.tdp_w
         self._gpu_limits_w = [self.profile.tdp_w_per_gpu] * self.profile.num_gpus
+        if self.profile.gpu_power_shares:  # the hottest GPU meets its board limit first
+            self._power_limit_w = self.profile.set_limit_w(self._gpu_limits_w)
+        self._noise_w = [0.0] * self.profile.num_gpus  # OU state, where noise_tau_s > 0
+        self._noise_t_s: float | None = None
         if power_limit_w is not None:
             self.power_limit_w = power_limit_w
         self._rng = np.random.default_rng(seed)
@@ -252,7 +258,11 @@ class SimEngine:
             )
         n = self.profile.num_gpus
         self._gpu_limits_w = [float(value) / n] * n
-        self._power_limit_w = float(value)
+        self._power_limit_w = (
+            self.profile.set_limit_w(self._gpu_limits_w)
+            if self.profile.gpu_power_shares
+            else float(value)
+        )
 
     @property
     def gpu_power_limits_w(self) -> list[float]:
@@ -278,7 +288,7 @@ class SimEngine:
                 f"GPU {gpu}: power limit must be in [{lo:g}, {hi:g}] W, got {value!r}"
             )
         self._gpu_limits_w[gpu] = float(value)
-        self._power_limit_w = min(self._gpu_limits_w) * self.profile.num_gpus
+        self._power_limit_w = self.profile.set_limit_w(self._gpu_limits_w)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -381,8 +391,35 @@ class SimEngine:
         return (self.energy_j(now) - self.energy_j(start)) / (now - start)
 
     def instant_power_per_gpu_w(self) -> list[float]:
-        """Noisy instant readings, one per GPU (NVML_FI_DEV_POWER_INSTANT); draws from the RNG."""
-        return noisy_readings_w(self.profile, self._seg_power_w, self._rng)
+        """Noisy instant readings, one per GPU (NVML_FI_DEV_POWER_INSTANT); draws from the RNG.
+
+        With `noise_tau_s` > 0 the noise is slow (OU, advanced to now) and spikes stay fresh."""
+        p = self.profile
+        if p.noise_tau_s <= 0:
+            return noisy_readings_w(p, self._seg_power_w, self._rng)
+        now = time.monotonic()
+        dt = math.inf if self._noise_t_s is None else now - self._noise_t_s
+        self._noise_w = ou_noise_step_w(p, self._noise_w, dt, self._rng)
+        self._noise_t_s = now
+        spikes = np.where(
+            self._rng.random(p.num_gpus) < p.spike_prob,
+            self._rng.uniform(p.spike_min_w, p.spike_max_w, p.num_gpus),
+            0.0,
+        )
+        return [
+            max(0.0, self._seg_power_w * s + x + float(k))
+            for s, x, k in zip(p.shares(), self._noise_w, spikes, strict=True)
+        ]
+
+    def mean_power_per_gpu_w(self, window_s: float = 1.0) -> list[float]:
+        """Per-GPU `window_s` means (dcgm-exporter's DCGM_FI_DEV_POWER_USAGE): the GPUs' shares
+        of the true mean, plus what slow noise leaves after averaging (`mean_noise_factor`)."""
+        avg = self.average_power_w(window_s)
+        f = mean_noise_factor(self.profile.noise_tau_s, window_s)
+        return [
+            max(0.0, avg * s + f * x)
+            for s, x in zip(self.profile.shares(), self._noise_w, strict=True)
+        ]
 
     def instant_power_w(self) -> float:
         return sum(self.instant_power_per_gpu_w())

@@ -33,7 +33,9 @@ __all__ = [
     "decode_step_s",
     "idle_power_w",
     "logistic",
+    "mean_noise_factor",
     "noisy_readings_w",
+    "ou_noise_step_w",
     "prefill_power_w",
     "prefill_step_s",
     "steady_state",
@@ -106,6 +108,20 @@ class GpuProfile:
     """Rare upward spikes on instant readings: 665 W mean with single readings "up to about
     850 W" ([G2G] trace) gives +185 W at most; 1% is the modelling choice."""
 
+    decode_cap_exponent: float = 0.5
+    """How a power limit slows decode: time x (P_dec/limit) ** this. 0.5 is the modelling choice
+    for memory-bound decode ([IPC]); 1 is as proportional as compute-bound prefill ([Dynamo])."""
+
+    noise_tau_s: float = 0.0
+    """Correlation time of the reading noise (an Ornstein-Uhlenbeck process per GPU). 0: each
+    instant reading draws fresh noise and the 1-s mean is noise-free, as the named profiles do;
+    > 0: slow noise that a 1-s mean does not average away (a modelling choice for randomized
+    plants)."""
+
+    gpu_power_shares: tuple[float, ...] = ()
+    """Each GPU's share of the set's power (summing to 1); empty: an even split. Uneven shares
+    model imbalance across a tensor-parallel set: the hottest GPU meets its limit first."""
+
     @property
     def tdp_w(self) -> float:
         return self.tdp_w_per_gpu * self.num_gpus
@@ -113,6 +129,19 @@ class GpuProfile:
     @property
     def idle_w(self) -> float:
         return self.idle_w_per_gpu * self.num_gpus
+
+    def shares(self) -> list[float]:
+        """Each GPU's share of the set's power (even unless `gpu_power_shares` says otherwise)."""
+        if self.gpu_power_shares:
+            return list(self.gpu_power_shares)
+        return [1.0 / self.num_gpus] * self.num_gpus
+
+    def set_limit_w(self, gpu_limits_w: list[float]) -> float:
+        """The set's power limit from per-GPU limits: the set steps in lockstep, so it is held
+        where the first GPU reaches its own limit (the lowest limit, times n, when even)."""
+        if not self.gpu_power_shares:
+            return min(gpu_limits_w) * self.num_gpus
+        return min(w / s for w, s in zip(gpu_limits_w, self.gpu_power_shares, strict=True))
 
 
 _LLAMA8B_PREFILL_TOK_S = 25_000.0  # 989e12 * 0.4 / (2 * 8e9) = 24,725
@@ -210,8 +239,8 @@ def step_time_s(
     Modelling choice: the two parts run back to back, so time adds and power is their
     time-weighted mean. Under a power limit each part is clamped to the limit and slowed: prefill
     time by P_pre/limit (compute-bound; [Dynamo]: 30% less power costs ~30% throughput),
-    decode time by sqrt(P_dec/limit) (memory-bound decode is far less clock-sensitive,
-    [IPC]; the square root is our choice). A step with no work draws idle.
+    decode time by (P_dec/limit) ** `decode_cap_exponent` (memory-bound decode is far less
+    clock-sensitive, [IPC]; the default square root is our choice). A step with no work draws idle.
     """
     limit = profile.tdp_w if power_limit_w is None else power_limit_w
     t_dec = decode_step_s(profile, batch)
@@ -221,7 +250,10 @@ def step_time_s(
     p_dec = decode_power_w(profile, batch, kv_tokens, kv_capacity_tokens) if t_dec > 0 else 0.0
     p_pre = prefill_power_w(profile)
     if p_dec > limit:
-        t_dec *= math.sqrt(p_dec / limit)
+        if profile.decode_cap_exponent == 0.5:
+            t_dec *= math.sqrt(p_dec / limit)
+        else:
+            t_dec *= (p_dec / limit) ** profile.decode_cap_exponent
         p_dec = limit
     if t_pre > 0.0 and p_pre > limit:
         t_pre *= p_pre / limit
@@ -270,12 +302,16 @@ def steady_state(
 def noisy_readings_w(
     profile: GpuProfile, true_power_w: float, rng: np.random.Generator
 ) -> list[float]:
-    """Instant per-GPU readings around an even split of the true power ([G2G] trace).
+    """Instant per-GPU readings around the GPUs' shares of the true power ([G2G] trace).
 
     The true power, not these readings, feeds the energy counter: spikes are sensor artefacts.
     """
     n = profile.num_gpus
-    per_gpu = true_power_w / n
+    per_gpu: float | np.ndarray = (
+        true_power_w * np.asarray(profile.gpu_power_shares)
+        if profile.gpu_power_shares
+        else true_power_w / n
+    )
     noise = rng.normal(0.0, profile.noise_sigma_w_per_gpu, n)
     spikes = np.where(
         rng.random(n) < profile.spike_prob,
@@ -283,3 +319,23 @@ def noisy_readings_w(
         0.0,
     )
     return [max(0.0, float(v)) for v in per_gpu + noise + spikes]
+
+
+def ou_noise_step_w(
+    profile: GpuProfile, state_w: list[float], dt_s: float, rng: np.random.Generator
+) -> list[float]:
+    """Advance per-GPU Ornstein-Uhlenbeck noise by `dt_s` (exact discretisation): stationary sd
+    `noise_sigma_w_per_gpu`, correlation time `noise_tau_s` (> 0)."""
+    a = math.exp(-max(dt_s, 0.0) / profile.noise_tau_s)
+    scale = profile.noise_sigma_w_per_gpu * math.sqrt(max(1.0 - a * a, 0.0))
+    z = rng.normal(0.0, 1.0, profile.num_gpus)
+    return [a * x + scale * float(e) for x, e in zip(state_w, z, strict=True)]
+
+
+def mean_noise_factor(tau_s: float, window_s: float = 1.0) -> float:
+    """The sd of an OU process's `window_s` mean over its own sd: sqrt(2 r (1 - r (1 - e^-1/r)))
+    with r = tau/window; 0 for white noise, towards 1 for slow noise."""
+    if tau_s <= 0:
+        return 0.0
+    r = tau_s / window_s
+    return math.sqrt(max(2.0 * r * (1.0 - r * (1.0 - math.exp(-1.0 / r))), 0.0))

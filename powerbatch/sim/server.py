@@ -16,6 +16,7 @@ import logging
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -525,18 +526,30 @@ class _SimCollector(Collector):
     and serves the last collection in between. `dcgm_interval_s` > 0 does the same here: the
     GPU fields are collected on a fixed grid of that period and held, so a reader sees a value
     up to one period old that changes once a period. 0 collects at every scrape.
+
+    `dcgm_lag_s` > 0 serves the newest collection at least that old, as a meter that runs
+    behind (a slow scrape chain or a remote exporter) does.
     """
 
     def __init__(
-        self, engine: SimEngine, model_name: str, hostname: str, dcgm_interval_s: float = 0.0
+        self,
+        engine: SimEngine,
+        model_name: str,
+        hostname: str,
+        dcgm_interval_s: float = 0.0,
+        dcgm_lag_s: float = 0.0,
     ) -> None:
         if dcgm_interval_s < 0 or not math.isfinite(dcgm_interval_s):
             raise ValueError(f"dcgm_interval_s must be >= 0, got {dcgm_interval_s}")
+        if dcgm_lag_s < 0 or not math.isfinite(dcgm_lag_s):
+            raise ValueError(f"dcgm_lag_s must be >= 0, got {dcgm_lag_s}")
         self.engine = engine
         self.model_name = model_name
         self.hostname = hostname
         self.dcgm_interval_s = dcgm_interval_s
+        self.dcgm_lag_s = dcgm_lag_s
         self._collected: tuple[int, list[Metric]] | None = None
+        self._past: deque[tuple[float, list[Metric]]] = deque()
 
     def collect(self) -> Iterable[Metric]:
         e = self.engine
@@ -562,6 +575,8 @@ class _SimCollector(Collector):
         yield from self._gpu_fields()
 
     def _gpu_fields(self) -> list[Metric]:
+        if self.dcgm_lag_s > 0:
+            return self._lagged_gpu_fields()
         period = self.dcgm_interval_s
         if period <= 0:
             return self._collect_gpu_fields()
@@ -569,6 +584,18 @@ class _SimCollector(Collector):
         if self._collected is None or self._collected[0] != slot:
             self._collected = (slot, self._collect_gpu_fields())
         return self._collected[1]
+
+    def _lagged_gpu_fields(self) -> list[Metric]:
+        """Collect as without a lag, keep the collections, serve the newest one `dcgm_lag_s`
+        old (the oldest kept until one is)."""
+        now = time.monotonic()
+        period = self.dcgm_interval_s
+        t = math.floor(now / period) * period if period > 0 else now
+        if not self._past or self._past[-1][0] != t:
+            self._past.append((t, self._collect_gpu_fields()))
+        while len(self._past) > 1 and self._past[1][0] <= now - self.dcgm_lag_s:
+            self._past.popleft()
+        return self._past[0][1]
 
     def _collect_gpu_fields(self) -> list[Metric]:
         e = self.engine
@@ -579,9 +606,13 @@ class _SimCollector(Collector):
             [str(i), sim_gpu_uuid(i), sim_gpu_pci_bus_id(i), profile.gpu_model_name, self.hostname]
             for i in range(n)
         ]
-        avg_w = e.average_power_w() / n
-        energy_mj = e.energy_j() * 1000.0 / n
         instant = e.instant_power_per_gpu_w()
+        even = not profile.gpu_power_shares and profile.noise_tau_s <= 0
+        avg_w = [e.average_power_w() / n] * n if even else e.mean_power_per_gpu_w()
+        if profile.gpu_power_shares:
+            energy_mj = [e.energy_j() * 1000.0 * s for s in profile.shares()]
+        else:
+            energy_mj = [e.energy_j() * 1000.0 / n] * n
         power = GaugeMetricFamily(
             "DCGM_FI_DEV_POWER_USAGE", "Power draw (in W), 1-second average.", labels=gpu_labels
         )
@@ -594,9 +625,9 @@ class _SimCollector(Collector):
             labels=gpu_labels,
         )
         for i, lab in enumerate(per_gpu):
-            power.add_metric(lab, avg_w)
+            power.add_metric(lab, avg_w[i])
             power_instant.add_metric(lab, instant[i])
-            energy.add_metric(lab, energy_mj)
+            energy.add_metric(lab, energy_mj[i])
         return [power, power_instant, energy, _power_limit_metric(e, gpu_labels, per_gpu)]
 
 
@@ -625,11 +656,13 @@ def create_sim_app(
     zeusd_token: str | None = None,
     zeusd_apply_delay_s: float = DEFAULT_APPLY_DELAY_S,
     dcgm_interval_s: float = 0.0,
+    dcgm_lag_s: float = 0.0,
 ) -> web.Application:
     """The app starts the engine on start-up and stops it on clean-up.
 
     It also serves zeusd's GPU API (powerbatch.sim.zeusd_api), behind `zeusd_token` if given.
-    `dcgm_interval_s` > 0 holds the dcgm-exporter fields for that period, as an exporter does.
+    `dcgm_interval_s` > 0 holds the dcgm-exporter fields for that period, as an exporter does;
+    `dcgm_lag_s` > 0 serves them that much late.
     """
     if stream_interval_tokens < 1:
         raise ValueError("stream_interval_tokens must be >= 1")
@@ -637,7 +670,7 @@ def create_sim_app(
         raise ValueError("max_model_len must be >= 2")
     h = _Handlers(engine, model_name, stream_interval_tokens, max_model_len)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SimCollector(engine, model_name, hostname, dcgm_interval_s))
+    registry.register(_SimCollector(engine, model_name, hostname, dcgm_interval_s, dcgm_lag_s))
 
     async def metrics(request: web.Request) -> web.StreamResponse:
         body = generate_latest(registry)
@@ -709,6 +742,7 @@ async def run_sim_server(
     max_model_len: int = 8192,
     zeusd_token: str | None = None,
     dcgm_interval_s: float = 0.0,
+    dcgm_lag_s: float = 0.0,
     **engine_kwargs: Any,
 ) -> None:
     """Build an engine from `engine_kwargs` (see SimEngine) and serve until cancelled."""
@@ -722,6 +756,7 @@ async def run_sim_server(
         max_model_len=max_model_len,
         zeusd_token=zeusd_token,
         dcgm_interval_s=dcgm_interval_s,
+        dcgm_lag_s=dcgm_lag_s,
     )
     # The operator's (and a script's) sign that the port is open; with port 0, the port chosen.
     _log.info("powerbatch sim listening on %s (model %s)", server.url, model_name)
