@@ -50,7 +50,7 @@ import aiohttp
 import psutil
 
 from powerbatch.cli.process import Child, free_port
-from powerbatch.control.loop import json_safe
+from powerbatch.jsonsafe import json_safe
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
