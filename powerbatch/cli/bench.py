@@ -89,22 +89,20 @@ async def fetch_json(session: aiohttp.ClientSession, url: str) -> Any:
         return await resp.json()
 
 
+def serve_args(num_gpus: int, ceiling_w: float, a: argparse.Namespace) -> list[str]:
+    """What every bench's proxy is started with: its GPUs, the ceiling and the SLOs."""
+    gpus = ",".join(str(i) for i in range(num_gpus))
+    return [
+        "--gpus", gpus, "--ceiling-w", str(ceiling_w),
+        "--ttft-slo-s", str(a.ttft_slo_s), "--tpot-slo-s", str(a.tpot_slo_s),
+        "--log-level", "warning",
+    ]  # fmt: skip
+
+
 def proxy_args(a: argparse.Namespace) -> list[str]:
     from powerbatch.sim.gpu_model import PROFILES as GPUS
 
-    gpus = ",".join(str(i) for i in range(GPUS[a.gpu].num_gpus)) if a.gpu in GPUS else "0"
-    args = [
-        "--gpus",
-        gpus,
-        "--ceiling-w",
-        str(a.ceiling_w),
-        "--ttft-slo-s",
-        str(a.ttft_slo_s),
-        "--tpot-slo-s",
-        str(a.tpot_slo_s),
-        "--log-level",
-        "warning",
-    ]
+    args = serve_args(GPUS[a.gpu].num_gpus if a.gpu in GPUS else 1, a.ceiling_w, a)
     if a.valley_fill:
         args.append("--valley-fill")
     if a.prefill_pacing is not None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import numpy as np
 
-from powerbatch.cli.bench import fetch_json
+from powerbatch.cli.bench import fetch_json, serve_args
 from powerbatch.cli.extras import require_cli_extra
 from powerbatch.cli.process import Child
 from powerbatch.cli.report import RunData, plot_runs, summarize
@@ -135,18 +135,7 @@ class PlantStack(Stack):
 
 
 def proxy_args(plant: Plant, a: argparse.Namespace) -> list[str]:
-    return [
-        "--gpus",
-        ",".join(str(i) for i in range(plant.profile.num_gpus)),
-        "--ceiling-w",
-        str(plant.ceiling_w),
-        "--ttft-slo-s",
-        str(a.ttft_slo_s),
-        "--tpot-slo-s",
-        str(a.tpot_slo_s),
-        "--log-level",
-        "warning",
-    ]
+    return serve_args(plant.profile.num_gpus, plant.ceiling_w, a)
 
 
 async def run_arm(arm: str, sc: Scenario, a: argparse.Namespace, log_dir: Path) -> RunData:

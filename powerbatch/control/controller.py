@@ -80,15 +80,16 @@ class Controller:
             half_life_s=config.model_half_life_s,
             confidence=config.confidence,
         )
+        # The batches min..max: every law prices the model's curve over the same grid.
+        self._grid = np.arange(config.min_batch, config.max_batch + 1, dtype=float)
         self.sensor = SensorGate(config.recover_s)
-        self.power = PowerLaw(config, self.model)
+        self.power = PowerLaw(config, self.model, self._grid)
         self.latency = LatencyLaw(config)
         self.kv = KvLaw(config)
         self.demand = DemandLaw(config, self.model.prior)
-        self.ramp = RampLaw(config, self.shape)
+        self.ramp = RampLaw(config, self.shape, self._grid)
         self._t0: float | None = None
         self._batch = config.initial_batch
-        self._grid = np.arange(config.min_batch, config.max_batch + 1, dtype=float)
         self.last: Decision | None = None
 
     def power_curve(self) -> np.ndarray:

@@ -56,14 +56,14 @@ class Judgement:
 
 
 class PowerLaw:
-    def __init__(self, config: ControlConfig, model: PowerModel) -> None:
+    def __init__(self, config: ControlConfig, model: PowerModel, grid: np.ndarray) -> None:
         self.config = config
         self.model = model
+        self._grid = grid  # the batches min..max, the model's predictions are indexed by
         self.multiplier = 0.0  # λ_power, watts
         self.recent: deque[tuple[float, float]] = deque()  # (t_s, 1-s power), `meter_window_s`
         self._bias_w = 0.0  # measured less modelled power at the batch in flight (EWMA)
         self._cut_until_s = -math.inf
-        self._grid = np.arange(config.min_batch, config.max_batch + 1, dtype=float)
 
     def mean_at(self, mean_w: np.ndarray, n: float) -> float:
         cfg = self.config

@@ -43,10 +43,10 @@ class RampBounds:
 
 
 class RampLaw:
-    def __init__(self, config: ControlConfig, shape: ShapeSettings) -> None:
+    def __init__(self, config: ControlConfig, shape: ShapeSettings, grid: np.ndarray) -> None:
         self.config = config
         self.shape = shape
-        self._grid = np.arange(config.min_batch, config.max_batch + 1, dtype=float)
+        self._grid = grid
         self._flight: deque[tuple[float, int]] = deque()  # in flight over the last second
 
     def _second_ago(
