@@ -168,22 +168,48 @@ def test_prefill_pace_spreads_admissions() -> None:
     run_virtual(main())
 
 
-def test_the_most_urgent_class_does_not_wait_for_the_pace() -> None:
+def test_the_most_urgent_class_waits_for_the_pace_but_goes_first() -> None:
     async def main() -> None:
-        # As above, 1000 prompt tokens a second. A high-class prompt is granted at once although
-        # the bucket is empty, and is charged to it: the normal one behind it waits for both.
+        # As above, 1000 prompt tokens a second. Behind an empty-upstream grant (bucket at -100)
+        # a normal prompt queues first, then a high one: the high one is granted first, once the
+        # bucket holds its 100 tokens (0.2 s), and the normal one 0.1 s after it.
         loop = asyncio.get_running_loop()
         q = AdmissionQueue(
             AdmissionLimits(100, 10**9, prefill_tok_s=1_000.0), prefill_burst_s=0.1, clock=loop.time
         )
         t0 = loop.time()
-        first = await q.admit("normal", 100, 100)  # into an empty upstream: bucket at -100
-        high = await q.admit("high", 100, 100)  # bucket at -200
-        assert round(loop.time() - t0, 2) == 0.0
-        normal = await q.admit("normal", 100, 100)  # waits until the bucket holds 100
-        assert round(loop.time() - t0, 2) == 0.3
-        for s in (first, high, normal):
+        first = await q.admit("normal", 100, 100)
+        normal = asyncio.create_task(q.admit("normal", 100, 100))
+        await asyncio.sleep(0)
+        high = asyncio.create_task(q.admit("high", 100, 100))
+        done_at: dict[str, float] = {}
+        for name, task in (("high", high), ("normal", normal)):
+            task.add_done_callback(lambda _t, n=name: done_at.setdefault(n, loop.time() - t0))
+        slots = [first, await high, await normal]
+        assert round(done_at["high"], 2) == 0.2
+        assert round(done_at["normal"], 2) == 0.3
+        for s in slots:
             s.release()
+
+    run_virtual(main())
+
+
+def test_an_empty_upstream_waits_for_the_prompts_debt() -> None:
+    async def main() -> None:
+        # A 1,000-token prompt at 1,000 tokens/s borrows a second ahead. When it is done, the
+        # next request into the empty upstream still waits for that second: one long prompt
+        # after another is prefill at full power all the same.
+        loop = asyncio.get_running_loop()
+        q = AdmissionQueue(
+            AdmissionLimits(1, 10**9, prefill_tok_s=1_000.0), prefill_burst_s=0.1, clock=loop.time
+        )
+        t0 = loop.time()
+        first = await q.admit("high", 100, 1_000)
+        assert round(loop.time() - t0, 2) == 0.0
+        first.release()
+        second = await q.admit("high", 100, 1_000)
+        assert round(loop.time() - t0, 2) == 1.0
+        second.release()
 
     run_virtual(main())
 

@@ -466,9 +466,10 @@ def test_summary_is_none_without_power() -> None:
 # -- a meter that lags the ticks -------------------------------------------------------------
 
 
-def _learned_slope_w(aligned: bool) -> float:
+def _learned_slope_w(aligned: bool, late_s: float = 0.0, lag: list[float] | None = None) -> float:
     """Watts per request the controller's model learns from an exporter that collects the
-    1-second mean once a second while the batch moves every 0.6 s (true slope: 10 W)."""
+    1-second mean once a second while the batch moves every 0.6 s (true slope: 10 W), and
+    serves it `late_s` later (the learned lag goes into `lag`)."""
     rng = np.random.default_rng(3)
     ctl = Controller(ControlConfig(ceiling_w=2000.0, warmup_s=0.0))
     window, clock = FeatureWindow(1.0), ReadingAligner(every_tick=False)
@@ -482,12 +483,12 @@ def _learned_slope_w(aligned: bool) -> float:
     for i in range(int(100 / tick_s)):
         t = i * tick_s
         if i % 5 == 0 and i:  # the exporter's collection: the mean over the second before
-            slices = np.arange(t - 1.0, t, 1.0 / sub / 5)
+            slices = np.arange(t - 1.0 - late_s, t - late_s, 1.0 / sub / 5)
             held_w = float(np.mean([100.0 + 10.0 * batch_at(s) for s in slices]))
         n = batch_at(t)
         prefill += 100.0 * n * tick_s
         f = window.update(t, n, 500.0 * n, prefill, 30.0 * n * t)
-        weight, measured = clock.update(held_w, None, f)
+        weight, measured = clock.update(held_w, None, f, t, held_w)
         if i < 5:
             continue
         ctl.tick(
@@ -500,8 +501,11 @@ def _learned_slope_w(aligned: bool) -> float:
                 queued=0,
                 reading_features=measured if aligned else None,
                 reading_weight=weight if aligned else 1.0,
+                relearn=tuple(clock.relearn) if aligned else (),
             )
         )
+    if lag is not None:
+        lag.append(clock.lag.lag_s)
     lo, hi = Features(5.0, 2500.0, 500.0, 150.0), Features(35.0, 17500.0, 3500.0, 1050.0)
     mean_w = ctl.model.predict([lo, hi]).mean_w
     return float(mean_w[1] - mean_w[0]) / 30.0
@@ -515,3 +519,16 @@ def test_a_held_reading_is_learned_once_against_the_load_it_measured() -> None:
     naive_w = _learned_slope_w(aligned=False)
     assert 8.0 <= slope_w <= 11.5, (slope_w, naive_w)  # 5 ticks a second sample the load
     assert naive_w < 0.8 * slope_w, (slope_w, naive_w)
+
+
+def test_the_meter_lag_is_learned_from_the_readings() -> None:
+    # The same exporter, 2 s late (a relay, a slow scrape): paired with the second before the
+    # tick that first sees it, a reading describes load that has since moved twice. The lag is
+    # learned from the readings alone, and the slope with it.
+    lag: list[float] = []
+    slope_w = _learned_slope_w(aligned=True, late_s=2.0, lag=lag)
+    assert 1.8 <= lag[0] <= 2.2, lag
+    assert 7.0 <= slope_w <= 11.5, slope_w  # learned at 3 s, then at 2 s once told apart
+    on_time: list[float] = []
+    _learned_slope_w(aligned=True, lag=on_time)
+    assert on_time[0] <= 0.2, on_time

@@ -1,8 +1,10 @@
 """The asyncio admission queue: who goes upstream next, and who is told to come back later.
 
 A request is dispatched only while both in-flight limits hold (requests and KV tokens) and the
-prefill pace allows its prompt (the most urgent class is charged to the pace but does not wait
-for it). Classes are served in strict priority, FIFO within a class. The
+prefill pace allows its prompt. Every class waits for the pace: prefill is where the watts
+are, and a class that skipped it would spend the ceiling's margin on its own prompts (it is
+first in line, so it waits only for its own prompt's share). Classes are served in strict
+priority, FIFO within a class. The
 queue is bounded in length and in wait; a full queue sheds its lowest-priority newest waiter
 before it refuses a higher-priority arrival. Every granted `Slot` is released exactly once.
 """
@@ -225,19 +227,25 @@ class AdmissionQueue:
                 allowed -= math.ceil(self.fill_reserve_frac * lim.max_requests)
         if self.in_flight >= max(allowed, 1):
             return False
-        # One request always fits an empty upstream, however large, so nothing starves.
+        # One request always fits an empty upstream, however large, so nothing starves (the
+        # pace still holds it while earlier prompts' debt is paid).
         if self.in_flight and self.kv_in_flight + kv_tokens > kv_allowed:
             return False
         if lim.prefill_tok_s is not None:
             self._refill(now)
-            # A prompt waits until the bucket holds it (or is full, for one larger than a
-            # whole burst): borrowing ahead would let one long prompt spike the second. The
-            # most urgent class does not wait for the pace; its prompts are still charged to
-            # the bucket, so the classes below it wait for those watts instead.
-            need = min(prefill_tokens, lim.prefill_tok_s * self.prefill_burst_s)
-            if self._bucket < need and self.in_flight and priority != PRIORITIES[0]:
+            if self._bucket < self._bucket_needed(prefill_tokens):
                 return False
         return True
+
+    def _bucket_needed(self, prefill_tokens: int) -> float:
+        """What the bucket must hold before this prompt goes: the prompt (or a whole burst, for
+        one larger), since borrowing ahead would let one long prompt spike the second. Into an
+        empty upstream, only no debt: the prompts before it borrowed ahead, and one request
+        after another back to back is prefill at full power all the same."""
+        rate = self.limits.prefill_tok_s or 0.0
+        if not self.in_flight:
+            return 0.0
+        return min(prefill_tokens, rate * self.prefill_burst_s)
 
     def _grant(
         self,
@@ -297,7 +305,7 @@ class AdmissionQueue:
         if rate is None or self._wakeup is not None:
             return
         head = self._head()
-        want = min(head.prefill_tokens, rate * self.prefill_burst_s) if head else 0.0
+        want = self._bucket_needed(head.prefill_tokens) if head else 0.0
         if self._bucket >= want:
             return
         delay = max((want - self._bucket) / rate, 0.001)

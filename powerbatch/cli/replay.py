@@ -48,7 +48,7 @@ def replay(rows: Iterator[TraceRow], config: ControlConfig) -> Iterator[tuple[Tr
             prefill_tok_s=row.prefill_tok_s or 0.0,
             decode_tok_s=row.decode_tok_s or 0.0,
         )
-        weight, measured = clock.update(row.raw_w, row.energy_j, features)
+        weight, measured = clock.update(row.raw_w, row.energy_j, features, row.t_s, row.power_w)
         obs = Observation(
             t_s=row.t_s,
             power_w=row.power_w,
@@ -58,6 +58,7 @@ def replay(rows: Iterator[TraceRow], config: ControlConfig) -> Iterator[tuple[Tr
             queued=int(row.queued or 0),
             reading_features=measured,
             reading_weight=weight,
+            relearn=tuple(clock.relearn),
         )
         yield row, controller.tick(obs)
 

@@ -142,7 +142,9 @@ class ControlLoop:
         self.clock = clock
         self._window = FeatureWindow(window_s)
         tick_hz = controller.config.tick_hz
-        self._aligner = ReadingAligner(not source_averages, max(1.0, window_s * tick_hz))
+        self._aligner = ReadingAligner(
+            not source_averages, max(1.0, window_s * tick_hz), tick_s=1.0 / tick_hz
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._sample: HostSample | None = None
         self._latency: LatencySnapshot | None = None
@@ -271,10 +273,13 @@ class ControlLoop:
             t_s, host.in_flight, host.kv_tokens, host.prefill_tokens_total, host.decode_tokens_total
         )
         latency = self.features.latency(t_s)
-        weight, measured = self._aligner.update(reading.raw_w, reading.energy_j, features)
+        power_w = self.power_w(reading)
+        weight, measured = self._aligner.update(
+            reading.raw_w, reading.energy_j, features, t_s, power_w
+        )
         obs = Observation(
             t_s=t_s,
-            power_w=self.power_w(reading),
+            power_w=power_w,
             sensor_ok=reading.ok,
             sensor_error=reading.error,
             features=features,
@@ -288,6 +293,7 @@ class ControlLoop:
             plan_w=self.plan.plan_w(t_s) if self.plan is not None else None,
             reading_features=measured,
             reading_weight=weight,
+            relearn=tuple(self._aligner.relearn),
         )
         d = self.controller.tick(obs)
         for sink in self.sinks:

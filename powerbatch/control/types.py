@@ -90,6 +90,9 @@ class Observation:
     # second with the load of another.
     reading_features: Features | None = None
     reading_weight: float = 1.0
+    # On the tick the meter's learned lag changes: the readings kept, each paired with the load
+    # of the new lag, (t, features, watts, weight). The model forgets and learns them anew.
+    relearn: tuple[tuple[float, Features, float, float], ...] = ()
 
     @property
     def seen(self) -> Features:

@@ -2,12 +2,17 @@
 
 The model regresses the 1-second power (the quantity the ceiling is about) on features taken
 over the same second, so cause and effect line up; a meter that lags the ticks is paired with
-the load of the second it measured, not the load of the tick that reads it.
+the load of the second it measured, not the load of the tick that reads it. How far it lags is
+learned from the meter itself (`MeterLag`): an exporter's collect interval, its scrape and a
+relay each add dead time that no setting knows.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
+
+import numpy as np
 
 from powerbatch.estimate import Features
 
@@ -37,6 +42,108 @@ class FeatureWindow:
         )
 
 
+def _lag_row(f: Features) -> tuple[float, ...]:
+    return (
+        1.0,
+        f.batch / 64.0,
+        float(np.log2(1.0 + max(f.batch, 0.0))),
+        f.prefill_tok_s / 10_000.0,
+        f.decode_tok_s / 10_000.0,
+    )
+
+
+class MeterLag:
+    """How far behind the load the meter's readings are, learned from the readings.
+
+    Each new reading is paired with the load features of every candidate lag (0 to `max_lag_s`
+    in ticks), and power is regressed on them (constant, batch, log2 batch, prefill and decode
+    rates) over the last `window` readings; the lag whose fit leaves the least residual wins.
+    A wrong lag pairs the watts of one second with the load of another: the model then learns
+    that prefill is free and an idle batch is hot, and the laws act on a reading as if it were
+    now. The lag moves only when another fits clearly better (`switch_ratio` of the residual),
+    and only once the load has moved (a flat load says nothing about lag). Normal equations of
+    5 regressors, solved per candidate once a reading: no BLAS on the window's rows.
+    """
+
+    def __init__(
+        self,
+        tick_s: float,
+        *,
+        max_lag_s: float = 3.0,
+        window: int = 40,
+        min_readings: int = 8,
+        switch_ratio: float = 0.7,
+        assume_late: bool = True,
+    ) -> None:
+        self.tick_s = tick_s
+        self.lags_s = tuple(i * tick_s for i in range(round(max_lag_s / tick_s) + 1))
+        self.window = window
+        self.min_readings = min_readings
+        self.switch_ratio = switch_ratio
+        # Until the readings tell, a meter is taken to be as late as any candidate: the laws
+        # then count every change since as not yet seen, which costs a cautious start, where
+        # taking it as prompt would let the first seconds grow on readings of an idle GPU.
+        self.lag_s = self.lags_s[-1] if assume_late else 0.0
+        self._t: deque[float] = deque()
+        self._f: deque[Features] = deque()
+        # (t, watts, weight, the features at each candidate lag) per reading
+        self._rows: deque[tuple[float, float, float, tuple[Features, ...]]] = deque(maxlen=window)
+
+    def remember(self, t_s: float, features: Features) -> None:
+        self._t.append(t_s)
+        self._f.append(features)
+        horizon = self.lags_s[-1] + 2.0 * self.tick_s
+        while len(self._t) > 2 and self._t[0] < t_s - horizon:
+            self._t.popleft()
+            self._f.popleft()
+
+    def at(self, t_s: float) -> Features | None:
+        """The features of the last tick at or before `t_s` (None: before the history)."""
+        i = bisect.bisect_right(self._t, t_s + 1e-9) - 1
+        return self._f[i] if i >= 0 else None
+
+    def learn(self, t_s: float, power_w: float, weight: float = 1.0) -> bool:
+        """Pair a new reading with each candidate lag; True when the lag believed has changed
+        (the readings so far, paired anew, are then in `pairs()`)."""
+        feats = []
+        for lag in self.lags_s:
+            f = self.at(t_s - lag)
+            if f is None:
+                return False
+            feats.append(f)
+        self._rows.append((t_s, power_w, weight, tuple(feats)))
+        if len(self._rows) < self.min_readings:
+            return False
+        before = self.lag_s
+        self._choose()
+        return self.lag_s != before
+
+    def pairs(self) -> list[tuple[float, Features, float, float]]:
+        """The readings kept, each with the load of the lag now believed: (t, features, watts,
+        weight), oldest first, for a model that learned them at the wrong lag to learn anew."""
+        i = self.lags_s.index(self.lag_s)
+        return [(t, f[i], p, w) for t, p, w, f in self._rows]
+
+    def _choose(self) -> None:
+        x = np.array([[_lag_row(f) for f in r[3]] for r in self._rows]).transpose(
+            1, 0, 2
+        )  # (lags, readings, k)
+        y = np.fromiter((r[1] for r in self._rows), float, len(self._rows))
+        if np.ptp(y) <= 0.0:
+            return
+        xtx = np.einsum("lnj,lnk->ljk", x, x)
+        xty = np.einsum("lnj,n->lj", x, y)
+        k = x.shape[2]
+        ridge = 1e-6 * np.trace(xtx, axis1=1, axis2=2)[:, None, None] * np.eye(k)
+        beta = np.linalg.solve(xtx + ridge, xty[..., None])[..., 0]
+        resid = y[None, :] - np.einsum("lnk,lk->ln", x, beta)
+        sse = np.einsum("ln,ln->l", resid, resid)
+        best = int(np.argmin(sse))
+        now = self.lags_s.index(self.lag_s) if self.lag_s in self.lags_s else 0
+        if sse[best] < self.switch_ratio * sse[now]:
+            self.lag_s = self.lags_s[best]
+
+
 class ReadingAligner:
     """Which load a power reading measured, and how much it weighs when learned.
 
@@ -48,22 +155,42 @@ class ReadingAligner:
     it is a mean over one window, however long it is then held). A held value weighs 0.
     """
 
-    def __init__(self, every_tick: bool, max_weight: float = 5.0) -> None:
+    def __init__(self, every_tick: bool, max_weight: float = 5.0, tick_s: float = 0.2) -> None:
         self.every_tick = every_tick
         self.max_weight = max_weight
+        # A mean the loop takes itself, every tick, is of the same second as the features.
+        self.lag = MeterLag(tick_s, assume_late=not every_tick)
         self._key: tuple[float | None, float | None] | None = None
         self._features: Features | None = None
         self._ticks = 0
+        self.relearn: list[tuple[float, Features, float, float]] = []
+        """Set on the tick the lag changes: every kept reading, paired with the new lag's load."""
 
     def update(
-        self, raw_w: float | None, energy_j: float | None, features: Features
+        self,
+        raw_w: float | None,
+        energy_j: float | None,
+        features: Features,
+        t_s: float | None = None,
+        power_w: float | None = None,
     ) -> tuple[float, Features]:
         """(weight, the features the reading measured) for this tick's reading and features.
-        Without a raw value (an old trace) every reading is new."""
+        Without a raw value (an old trace) every reading is new. With the tick's time and the
+        reading's watts, the meter's lag is learned and the reading paired with the load that
+        long ago (`MeterLag`)."""
         self._ticks += 1
+        if t_s is not None:
+            self.lag.remember(t_s, features)
         key = (raw_w, energy_j)
         if self.every_tick or raw_w is None or key != self._key or self._features is None:
             weight = 1.0 if self.every_tick else float(min(self._ticks, self.max_weight))
-            self._key, self._features, self._ticks = key, features, 0
-            return weight, features
+            measured = features
+            self.relearn = []
+            if t_s is not None and power_w is not None:
+                if self.lag.learn(t_s, power_w, weight):
+                    self.relearn = self.lag.pairs()
+                measured = self.lag.at(t_s - self.lag.lag_s) or features
+            self._key, self._features, self._ticks = key, measured, 0
+            return weight, measured
+        self.relearn = []
         return 0.0, self._features

@@ -189,6 +189,15 @@ class PowerModel:
         self._xtwx += weight * np.outer(row, row)
         self._xtwy += (weight * power_w) * row
 
+    def forget(self) -> None:
+        """Drop every reading, keeping the prior: what was learned no longer describes the
+        plant (readings paired with the wrong load)."""
+        self._n = self._next = self._since_rebuild = 0
+        self._xtwx = np.zeros_like(self._xtwx)
+        self._xtwy = np.zeros_like(self._xtwy)
+        self._w[:] = 0.0
+        self._dirty = True
+
     def _weights(self) -> NDArray[np.float64]:
         n = self._n
         return self._w[:n] * np.exp2(-(self._t_last - self._t[:n]) / self.half_life_s)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from powerbatch.sim.gpu_model import GpuProfile, decode_step_s
+from powerbatch.sim.gpu_model import GpuProfile, decode_power_w, decode_step_s, prefill_power_w
 
 __all__ = ["METERS", "RANGES", "Plant", "draw_plant"]
 
@@ -81,7 +81,9 @@ class Plant:
     def sustain_rps(self, prompt_mean: float, output_mean: float) -> float:
         """About how many requests a second the plant serves at the ceiling: the batch where
         decode power meets the ceiling (or the KV cache's, if smaller) decoding back to back,
-        with each request's prefill taking its share of the time. A sizing guess for the load,
+        with each request's prefill taking its share of the time. Prefill drawing more than
+        the ceiling runs at ceiling / prefill power of its speed (under a cap it is slowed; under
+        admission alone it may run only that share of the time). A sizing guess for the load,
         not a figure the bench reports."""
         p = self.profile
         s = (self.ceiling_w - p.dec_base_w) / p.dec_span_w
@@ -89,7 +91,17 @@ class Plant:
         batch = min(2.0**x, self.kv_capacity_tokens / (prompt_mean + output_mean / 2), 256.0)
         batch = max(batch, 1.0)
         step_s = decode_step_s(p, round(batch))
-        return float(batch / (step_s * output_mean + batch * prompt_mean / p.prefill_tok_s))
+        prefill_tok_s = p.prefill_tok_s * min(1.0, self.ceiling_w / prefill_power_w(p))
+        return float(batch / (step_s * output_mean + batch * prompt_mean / prefill_tok_s))
+
+    def one_request_over(self, prompt_mean: float) -> bool:
+        """Whether one request alone puts a second over the ceiling: its prompt's prefill at
+        full power, the rest of that second decoding it at batch 1. On such a plant no admission
+        law holds every second without leaving the GPU idle around each prompt; the cap slows
+        the prefill instead. The bench reports admission alone with and without these plants."""
+        p = self.profile
+        d = min(prompt_mean / p.prefill_tok_s, 1.0)
+        return d * prefill_power_w(p) + (1.0 - d) * decode_power_w(p, 1) > self.ceiling_w
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -80,7 +80,12 @@ class PowerLaw:
         """Learn the reading against the load it measured (a Smith predictor for the meter's
         dead time), once, unless it is censored; keep it for the meter's spread."""
         assert obs.power_w is not None
-        if not censored and obs.reading_weight > 0:
+        if obs.relearn and not censored:
+            # The meter's lag was misjudged: what was learned paired watts with the wrong load.
+            self.model.forget()
+            for t_s, seen, power_w, weight in obs.relearn:
+                self.model.observe(t_s, seen, power_w, weight)
+        elif not censored and obs.reading_weight > 0:
             self.model.observe(obs.t_s, obs.seen, obs.power_w, obs.reading_weight)
         self.recent.append((obs.t_s, obs.power_w))
         while self.recent[0][0] < obs.t_s - self.config.gains.meter_window_s:
