@@ -214,6 +214,34 @@ def test_an_empty_upstream_waits_for_the_prompts_debt() -> None:
     run_virtual(main())
 
 
+def test_streams_go_first_within_a_class_and_classes_stay_strict() -> None:
+    async def main() -> None:
+        q = AdmissionQueue(AdmissionLimits(1, 10**9))
+        held = await q.admit("normal", 1, 1)
+        order: list[str] = []
+
+        async def wait(name: str, priority: str, stream: bool) -> None:
+            slot = await q.admit(priority, 1, 1, stream)
+            order.append(name)
+            slot.release()
+
+        tasks = []
+        for name, priority, stream in (
+            ("normal-whole", "normal", False),
+            ("low-stream", "low", True),
+            ("normal-stream", "normal", True),
+            ("high-whole", "high", False),
+            ("high-stream", "high", True),
+        ):
+            tasks.append(asyncio.create_task(wait(name, priority, stream)))
+            await asyncio.sleep(0)
+        held.release()
+        await asyncio.gather(*tasks)
+        assert order == ["high-stream", "high-whole", "normal-stream", "normal-whole", "low-stream"]
+
+    run(main())
+
+
 def test_valley_fill_keeps_a_reserve_from_deferrable_work() -> None:
     async def main() -> None:
         q = AdmissionQueue(AdmissionLimits(10, 10**9), valley_fill=True, fill_reserve_frac=0.2)

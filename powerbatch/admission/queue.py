@@ -4,7 +4,8 @@ A request is dispatched only while both in-flight limits hold (requests and KV t
 prefill pace allows its prompt. Every class waits for the pace: prefill is where the watts
 are, and a class that skipped it would spend the ceiling's margin on its own prompts (it is
 first in line, so it waits only for its own prompt's share). Classes are served in strict
-priority, FIFO within a class. The
+priority; within a class streams go first, then FIFO: a stream's client sees its first token,
+a whole answer's client only the end, which a short wait before it starts barely moves. The
 queue is bounded in length and in wait; a full queue sheds its lowest-priority newest waiter
 before it refuses a higher-priority arrival. Every granted `Slot` is released exactly once.
 """
@@ -12,6 +13,7 @@ before it refuses a higher-priority arrival. Every granted `Slot` is released ex
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import time
 from collections import deque
@@ -24,6 +26,8 @@ from powerbatch.errors import RequestError
 from powerbatch.telemetry.filters import ewma_step
 
 REJECTION_REASONS = ("queue_full", "queue_timeout", "shed", "draining")
+LANES: tuple[tuple[str, bool], ...] = tuple((p, s) for p in PRIORITIES for s in (True, False))
+"""(class, stream) in the order waiters are served: by class, streams first within one."""
 """Every `Rejected.reason`: the proxy creates a metric series for each at start-up."""
 
 
@@ -64,7 +68,12 @@ class _Waiter:
     prefill_tokens: int
     t_enqueued_s: float
     future: asyncio.Future[Slot]
+    stream: bool = False
     gone: bool = False
+
+    @property
+    def lane(self) -> tuple[str, bool]:
+        return (self.priority, self.stream)
 
 
 @dataclass(slots=True)
@@ -99,7 +108,7 @@ class AdmissionQueue:
         self.fill_reserve_frac = fill_reserve_frac
         self.prefill_burst_s = prefill_burst_s
         self._clock = clock
-        self._queues: dict[str, deque[_Waiter]] = {p: deque() for p in PRIORITIES}
+        self._queues: dict[tuple[str, bool], deque[_Waiter]] = {lane: deque() for lane in LANES}
         self._live: dict[str, int] = dict.fromkeys(PRIORITIES, 0)
         self.in_flight = 0
         self.kv_in_flight = 0
@@ -134,7 +143,9 @@ class AdmissionQueue:
             self.deferrable = mode
             self._dispatch()
 
-    async def admit(self, priority: str, kv_tokens: int, prefill_tokens: int) -> Slot:
+    async def admit(
+        self, priority: str, kv_tokens: int, prefill_tokens: int, stream: bool = False
+    ) -> Slot:
         """Wait for a slot; raise Rejected when the request cannot be served in time."""
         if self.draining:
             raise self._reject(priority, 503, "draining", "server is shutting down")
@@ -146,8 +157,8 @@ class AdmissionQueue:
                 priority, 429, "queue_full", "admission queue is full", self.retry_after_s(priority)
             )
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(priority, kv_tokens, prefill_tokens, now, loop.create_future())
-        self._queues[priority].append(waiter)
+        waiter = _Waiter(priority, kv_tokens, prefill_tokens, now, loop.create_future(), stream)
+        self._queues[waiter.lane].append(waiter)
         self._live[priority] += 1
         timer = loop.call_later(self.max_wait_s[priority], self._expire, waiter)
         try:
@@ -277,8 +288,8 @@ class AdmissionQueue:
         self._dispatch()
 
     def _head(self) -> _Waiter | None:
-        for p in PRIORITIES:
-            q = self._queues[p]
+        for lane in LANES:
+            q = self._queues[lane]
             # A waiter whose task was cancelled may not have run its cleanup yet: skip it,
             # or its slot would be granted to no one and never released.
             while q and (q[0].gone or q[0].future.done()):
@@ -293,7 +304,7 @@ class AdmissionQueue:
             if not self._fits(w.priority, w.kv_tokens, w.prefill_tokens, now):
                 self._schedule_refill_wakeup()
                 return
-            self._queues[w.priority].popleft()
+            self._queues[w.lane].popleft()
             w.gone = True
             self._live[w.priority] -= 1
             self.stats.queue_wait_s_total += now - w.t_enqueued_s
@@ -319,16 +330,16 @@ class AdmissionQueue:
         if not w.gone:
             w.gone = True
             self._live[w.priority] -= 1
-            self._compact(w.priority)
+            self._compact(w.lane)
 
-    def _compact(self, priority: str) -> None:
+    def _compact(self, lane: tuple[str, bool]) -> None:
         """Drop records of waiters that left from mid-queue, so overload cannot grow memory.
 
         Shed, expired and cancelled waiters are only marked gone; without this, a class that is
         never dispatched (low, under sustained overload) would keep every one of them.
         """
-        q = self._queues[priority]
-        if len(q) > 2 * self._live[priority] + 32:
+        q = self._queues[lane]
+        if len(q) > 2 * self._live[lane[0]] + 32:
             # In place: callers (_head, _shed_below) may hold a reference to this deque.
             live = [w for w in q if not w.gone]
             q.clear()
@@ -351,8 +362,8 @@ class AdmissionQueue:
     def _shed_below(self, priority: str) -> bool:
         """Make room by rejecting the newest waiter of the lowest class below `priority`."""
         for p in reversed(PRIORITIES[rank(priority) + 1 :]):
-            q = self._queues[p]
-            for w in reversed(q):
+            lanes = (reversed(self._queues[(p, False)]), reversed(self._queues[(p, True)]))
+            for w in itertools.chain(*lanes):  # whole answers before streams
                 if not w.gone:
                     self._forget(w)
                     w.future.set_exception(

@@ -450,7 +450,9 @@ class AdmittedRoute:
             series.outcomes["bad_request"].inc()
             return error_response(400, str(exc), param=exc.param, code="invalid_request")
         try:
-            slot = await self.gov.queue.admit(priority, info.kv_tokens, info.prompt_tokens)
+            slot = await self.gov.queue.admit(
+                priority, info.kv_tokens, info.prompt_tokens, info.stream
+            )
         except Rejected as rej:
             m.rejections.labels(priority, rej.reason).inc()
             series.outcomes["rejected"].inc()
