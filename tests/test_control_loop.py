@@ -532,3 +532,56 @@ def test_the_meter_lag_is_learned_from_the_readings() -> None:
     on_time: list[float] = []
     _learned_slope_w(aligned=True, lag=on_time)
     assert on_time[0] <= 0.2, on_time
+
+
+def _late_meter_run(late_s: float) -> tuple[list[float], list[int]]:
+    """A plant of 150 W + 9 W per request, its 1-s mean served `late_s` late once a second; a
+    queue of 80 waits from t = 0. Returns each whole second's true mean and the batch limits."""
+    ceiling = 600.0  # 50 requests
+    rng = np.random.default_rng(7)
+    ctl = Controller(ControlConfig(ceiling_w=ceiling, warmup_s=0.0))
+    window, clock = FeatureWindow(1.0), ReadingAligner(every_tick=False)
+    tick_s, limit = 0.2, ctl.config.initial_batch
+    true: list[float] = []
+    limits: list[int] = []
+    held_w, decoded = 150.0, 0.0
+    for i in range(int(60 / tick_s)):
+        t = i * tick_s
+        n = min(limit, 80)
+        true.append(150.0 + 9.0 * n)
+        if i % 5 == 0 and i:
+            back = round(late_s / tick_s)
+            held_w = float(np.mean(true[max(0, i - 5 - back) : max(1, i - back)]))
+            held_w += float(rng.normal(0.0, 3.0))
+        decoded += 30.0 * n * tick_s
+        f = window.update(t, n, 500.0 * n, 0.0, decoded)
+        weight, measured = clock.update(held_w, None, f, t, held_w)
+        d = ctl.tick(
+            Observation(
+                t_s=t,
+                power_w=held_w,
+                sensor_ok=True,
+                features=f,
+                in_flight=n,
+                queued=80 - n,
+                reading_features=measured,
+                reading_weight=weight,
+                relearn=tuple(clock.relearn),
+            )
+        )
+        limit = d.enforced.max_requests
+        limits.append(limit)
+    seconds = [float(np.mean(true[k : k + 5])) for k in range(0, len(true) - 4, 5)]
+    return seconds, limits
+
+
+def test_a_late_meter_does_not_let_the_batch_outrun_it() -> None:
+    # Two seconds late, the meter shows the room of a batch long since grown. The batch must
+    # not take that room twice: the ceiling holds in (nearly) every second, and the batch
+    # still fills it.
+    seconds, limits = _late_meter_run(2.0)
+    shown = [round(p) for p in seconds]
+    assert sum(p > 600.0 for p in seconds) <= 3, shown  # while the slope is learned
+    assert max(seconds) <= 1.2 * 600.0, shown
+    assert sum(p > 600.0 for p in seconds[20:]) == 0, shown
+    assert max(limits[-50:]) >= 40, limits[-50:]

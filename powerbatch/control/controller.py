@@ -142,6 +142,8 @@ class Controller:
                 pred.mean_w,
                 pred.upper_w,
                 hysteresis_w,
+                # Under a device limit the meter is the cap's, not the load's: no correction.
+                in_flight=anchor if capped else in_flight,
             ),
             Binding.LATENCY: int(self.latency.batch),
             Binding.DEMAND: self.demand.cap(obs.t_s, in_flight + queued),

@@ -98,19 +98,19 @@ class MeterLag:
             self._f.popleft()
 
     def at(self, t_s: float) -> Features | None:
-        """The features of the last tick at or before `t_s` (None: before the history)."""
+        """The features of the last tick at or before `t_s`; before the first tick, the first
+        (the load the loop started on). None before any tick."""
+        if not self._f:
+            return None
         i = bisect.bisect_right(self._t, t_s + 1e-9) - 1
-        return self._f[i] if i >= 0 else None
+        return self._f[max(i, 0)]
 
     def learn(self, t_s: float, power_w: float, weight: float = 1.0) -> bool:
         """Pair a new reading with each candidate lag; True when the lag believed has changed
         (the readings so far, paired anew, are then in `pairs()`)."""
-        feats = []
-        for lag in self.lags_s:
-            f = self.at(t_s - lag)
-            if f is None:
-                return False
-            feats.append(f)
+        if not self._t or self._t[0] > t_s - self.lags_s[-1]:
+            return False  # too early to pair this reading with every candidate
+        feats = [f for lag in self.lags_s if (f := self.at(t_s - lag)) is not None]
         self._rows.append((t_s, power_w, weight, tuple(feats)))
         if len(self._rows) < self.min_readings:
             return False
@@ -182,7 +182,10 @@ class ReadingAligner:
         if t_s is not None:
             self.lag.remember(t_s, features)
         key = (raw_w, energy_j)
-        if self.every_tick or raw_w is None or key != self._key or self._features is None:
+        # A value repeated past two windows is a steady plant read again, not one collection
+        # held: a meter whose watts repeat exactly must not freeze the load it is paired with.
+        stale = self._ticks >= 2 * self.max_weight
+        if self.every_tick or raw_w is None or key != self._key or self._features is None or stale:
             weight = 1.0 if self.every_tick else float(min(self._ticks, self.max_weight))
             measured = features
             self.relearn = []

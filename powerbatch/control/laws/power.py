@@ -34,6 +34,10 @@ CENSORED_FRAC = 0.98
 """A reading at this share of the device limit or more shows the cap, not the demand."""
 BIAS_KEEP = 0.8
 """The model's bias at the batch in flight is an EWMA keeping this much per tick's reading."""
+SEEN_LEAD = 2.0
+"""The batch grows to at most this multiple (plus one) of the batch the latest reading saw: a
+meter seconds behind cannot vouch for more, and the model's slope away from its data is a
+guess. Growth so paced doubles once per dead time (the meter's lag plus its window)."""
 MIN_SPREAD_SAMPLES = 20
 """Readings needed before the meter's own spread bounds one reading's noise."""
 
@@ -155,6 +159,7 @@ class PowerLaw:
         mean_w: np.ndarray,
         upper_w: np.ndarray,
         hysteresis_w: float,
+        in_flight: float | None = None,
     ) -> int:
         """The largest batch power allows this tick: the meter for here, the model for there.
 
@@ -165,6 +170,10 @@ class PowerLaw:
         one step where the anchored mean fits: where the model has seen no data its bound is
         wide and would pin the batch forever, and a probe teaches it the slope. The breach
         cut bounds the cost of a wrong probe.
+
+        Now is judged by the meter plus what the model says the requests admitted since the
+        reading add (`in_flight` against the anchor, never less than the meter): a meter seconds
+        behind shows the room of an idle GPU while the batch that fills it is already running.
         """
         cfg = self.config
         # One fresh reading's spread: what separates a mean from a second over the ceiling.
@@ -176,7 +185,10 @@ class PowerLaw:
         def anchored_upper(n: int) -> float:
             return power_w + self.mean_at(mean_w, n) - here_w + noise_w
 
-        if power_w > target_w:
+        now_w = power_w
+        if in_flight is not None and in_flight > anchor_batch:
+            now_w += self.mean_at(mean_w, in_flight) - here_w
+        if now_w > target_w:
             n = current
             while n > cfg.min_batch and anchored_upper(n) > target_w + noise_w:
                 n -= 1
@@ -184,10 +196,11 @@ class PowerLaw:
             floor_n = math.floor((1.0 - cfg.gains.step_down_frac) * current)
             return max(min(current, max(n, model_n)), floor_n)
         room_w = target_w - hysteresis_w
-        if power_w >= room_w:
+        if now_w >= room_w:
             return current
         n_grow = self._largest_batch_under(upper_w, room_w)
         # A step that overshoots the room must not stop the one request that fits (a boosted
         # step under a long queue); one, not as many as fit, since the anchor is one reading.
         probe = next((n for n in (current + step, current + 1) if anchored_upper(n) <= room_w), 0)
-        return max(n_grow, probe, current)
+        lead = math.ceil(SEEN_LEAD * max(anchor_batch, 1.0)) + 1
+        return max(min(max(n_grow, probe), lead), current)
