@@ -110,7 +110,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--drain-timeout-s",
         type=float,
-        default=10.0,
+        default=20.0,
         help="how long after the load each run waits for answers (the rest are dropped)",
     )
     p.add_argument("--arms", default=",".join(ARMS))
