@@ -233,3 +233,22 @@ def test_two_scenarios_end_to_end(tmp_path: Path) -> None:
 
 
 pytestmark = pytest.mark.timeout(240)
+
+
+def test_admissions_bound_follows_the_ceiling_and_one_request_over_is_a_plant_fact() -> None:
+    from dataclasses import replace
+
+    plant = draw_plant(np.random.default_rng([1, 0]))
+    prompt, output = 800.0, 200.0
+    bound = plant.admission_bound_tok_s(prompt, output)
+    assert bound > 0
+    higher = replace(plant, ceiling_w=plant.ceiling_w * 1.3)
+    assert higher.admission_bound_tok_s(prompt, output) > bound
+    # Under the decode power of batch 1 nothing fits, and one request alone is over.
+    p = plant.profile
+    starved = replace(plant, ceiling_w=0.9 * p.dec_base_w)
+    assert starved.admission_bound_tok_s(prompt, output) == 0.0
+    assert starved.one_request_over(prompt)
+    # A prompt that takes no time to prefill puts no second over a ceiling above batch 1.
+    roomy = replace(plant, ceiling_w=1.05 * (p.dec_base_w + p.dec_span_w))
+    assert not roomy.one_request_over(1.0)

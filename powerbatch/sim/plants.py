@@ -103,6 +103,32 @@ class Plant:
         d = min(prompt_mean / p.prefill_tok_s, 1.0)
         return d * prefill_power_w(p) + (1.0 - d) * decode_power_w(p, 1) > self.ceiling_w
 
+    def admission_bound_tok_s(self, prompt_mean: float, output_mean: float) -> float:
+        """The most output tokens/s any admission law sustains under the ceiling on this plant:
+        a fluid bound over batches b (to the KV cache's limit, at most 256), decoding at b
+        with prefill taking the share of the time its prompts need, or the share whose watts
+        fit (f P_prefill + (1 - f) P_decode(b) at the ceiling) where that is less. A steady
+        state that knows the plant exactly; the bench compares admission alone with it, since
+        the cap's advantage (decode slowed, not stopped) is out of admission's reach."""
+        p = self.profile
+        pre_w, pre_tok_s = prefill_power_w(p), p.prefill_tok_s
+        kv_batch = self.kv_capacity_tokens / (prompt_mean + output_mean / 2.0)
+        best = 0.0
+        for b in range(1, int(min(256.0, max(kv_batch, 1.0))) + 1):
+            dec_w = decode_power_w(p, b)
+            if dec_w > self.ceiling_w:
+                break
+            t_s = decode_step_s(p, b)
+            rps = (b / (t_s * output_mean)) / (
+                1.0 + b * prompt_mean / (t_s * output_mean * pre_tok_s)
+            )
+            f = rps * prompt_mean / pre_tok_s  # the share of time in prefill it needs
+            f_max = (self.ceiling_w - dec_w) / (pre_w - dec_w) if pre_w > dec_w else 1.0
+            if f > f_max:
+                rps = f_max * pre_tok_s / prompt_mean
+            best = max(best, rps * output_mean)
+        return best
+
     def to_json(self) -> dict[str, Any]:
         return {
             "profile": asdict(self.profile),
