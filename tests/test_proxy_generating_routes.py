@@ -289,7 +289,9 @@ def test_a_whole_answer_of_a_new_route_is_relayed_untouched() -> None:
     """No usage rewriting for the Responses and Messages answers: the bytes are vLLM's."""
 
     async def main() -> None:
-        answer = b'{"id":"resp_1", "object":"response","usage":{"input_tokens":3,"output_tokens":4}}'
+        answer = (
+            b'{"id":"resp_1", "object":"response","usage":{"input_tokens":3,"output_tokens":4}}'
+        )
         stub = _Recorded([answer], "application/json")
         runner, url = await serve(stub.app())
         try:
@@ -342,7 +344,9 @@ def test_a_batch_and_a_long_upload_hold_one_place_per_engine_request() -> None:
         finally:
             await runner.cleanup()
 
-    run(main(), )
+    run(
+        main(),
+    )
 
 
 # ---- refusals in the route's own shape ----------------------------------------------------
@@ -511,9 +515,13 @@ def test_the_estimates_of_each_route() -> None:
     )
     assert (info.prompt_tokens, info.max_tokens, info.stream) == (30, 50, True)
     with pytest.raises(BadRequest, match="max_tokens is required"):
-        parse_messages_request(b'{"messages": [{"role": "user", "content": "q"}]}', max_tokens_limit=9)
+        parse_messages_request(
+            b'{"messages": [{"role": "user", "content": "q"}]}', max_tokens_limit=9
+        )
     convs = [[{"role": "user", "content": "z" * 80}]] * 4
-    info = parse_chat_batch_request(json.dumps({"messages": convs, "max_tokens": 10}).encode(), **sizes)
+    info = parse_chat_batch_request(
+        json.dumps({"messages": convs, "max_tokens": 10}).encode(), **sizes
+    )
     assert (info.requests, info.prompt_tokens, info.kv_tokens) == (4, 80, 120)
 
     def audio(payload: bytes, **fields: str) -> Any:
