@@ -151,7 +151,7 @@ def test_every_generating_route_is_admitted_counted_and_answered_through_the_sim
 
 def test_the_openai_sdk_responses_api_through_the_proxy() -> None:
     """The openai SDK's own client, whole and streamed, against powerbatch and the simulator."""
-    openai = pytest.importorskip("openai")
+    import openai  # a test dependency (pyproject: test extras)
 
     async def main() -> None:
         async with _sim_and_proxy() as p:
