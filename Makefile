@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck check bench compare clean vllm-setup test-vllm vllm-source-check
+.PHONY: demo test lint typecheck check bench compare clean vllm-setup guidellm-setup test-vllm vllm-source-check
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -44,7 +44,10 @@ VLLM_VENV ?= .venv-vllm
 vllm-setup:
 	bash scripts/setup_vllm_cpu.sh
 
-test-vllm: vllm-setup
+guidellm-setup: vllm-setup
+	bash scripts/setup_guidellm.sh
+
+test-vllm: vllm-setup guidellm-setup
 	$(VLLM_VENV)/bin/pytest -m vllm tests/vllm -s
 
 # The hooks against a vLLM release's source, no install (powerbatch_vllm.surface): the wheel is

@@ -1,9 +1,10 @@
-"""`vllm bench serve`, the client vLLM users measure with, through powerbatch.
+"""`vllm bench serve` and guidellm, the clients vLLM users measure with, through powerbatch.
 
-In front of the simulator (its chat and Responses backends) and in front of the real CPU vLLM
-(chat). Each run must complete every request with its own report intact, and powerbatch's
-count must agree with the client's: requests, prompt and output tokens. The energy powerbatch
-measured (`powerbatch_request_energy_joules_total`) is written beside the client's figures in
+`vllm bench serve` in front of the simulator (its chat and Responses backends) and in front of
+the real CPU vLLM (chat); guidellm (scripts/setup_guidellm.sh) in front of the simulator. Each
+run must complete every request with its own report intact, and powerbatch's count must agree
+with the client's: requests and output tokens. The energy powerbatch measured
+(`powerbatch_request_energy_joules_total`) is written beside the client's figures in
 out/vllm-plugin/bench-clients.json, as docs/benchmarks.md tells users to do.
 """
 
@@ -18,7 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from vllm_harness import MODEL, OUT, VENV, parse_metrics, proxy_server, vllm_server
+from vllm_harness import MODEL, OUT, ROOT, VENV, parse_metrics, proxy_server, vllm_server
 
 from powerbatch.cli.process import Child, free_port
 
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.vllm
 NUM_PROMPTS = 16
 BENCH_TIMEOUT_S = 240
 REPORT = OUT / "bench-clients.json"
+GUIDELLM = ROOT / ".venv-guidellm" / "bin" / "guidellm"
 
 
 @contextmanager
@@ -85,6 +87,42 @@ def _proxy_counts(proxy_url: str) -> dict[str, float]:
     }
 
 
+def _guidellm(base_url: str) -> dict[str, Any]:
+    """One bounded guidellm run (chat completions, streamed); its report's first benchmark, in
+    the fields `vllm bench serve` saves."""
+    if not GUIDELLM.exists():
+        pytest.skip("needs guidellm: run scripts/setup_guidellm.sh")
+    work = OUT / "guidellm"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "benchmarks.json").unlink(missing_ok=True)
+    argv = [
+        str(GUIDELLM),
+        "run",
+        *("--backend", f"kind=openai_http,target={base_url},model=sim-llama"),
+        *("--profile", "kind=constant,rate=8"),
+        *("--constraint", f"kind=max_requests,count={NUM_PROMPTS}"),
+        *("--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16"),
+        *("--tokenizer", f"kind=huggingface_auto,model={MODEL}"),
+        "--disable-console-interactive",
+    ]
+    log = work / "run.log"
+    with log.open("w") as f:
+        proc = subprocess.run(
+            argv, cwd=work, stdout=f, stderr=subprocess.STDOUT, timeout=BENCH_TIMEOUT_S
+        )
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    bench = json.loads((work / "benchmarks.json").read_text())["benchmarks"][0]
+    totals, metrics = bench["metrics"]["request_totals"], bench["metrics"]
+    return {
+        "backend": "guidellm",
+        "completed": totals["successful"],
+        "failed": totals["errored"],
+        "total_input_tokens": metrics["prompt_token_count"]["successful"]["total_sum"],
+        "total_output_tokens": metrics["output_token_count"]["successful"]["total_sum"],
+        "duration": bench["duration"],
+    }
+
+
 def _check_and_record(name: str, result: dict[str, Any], counts: dict[str, float]) -> None:
     assert result["completed"] == NUM_PROMPTS and result["failed"] == 0, result
     assert result["total_output_tokens"] == NUM_PROMPTS * 16
@@ -132,6 +170,13 @@ def test_vllm_bench_serve_through_powerbatch_in_front_of_the_simulator(
     _check_and_record(f"sim-{backend}", result, counts)
     if backend == "openai-responses":  # the Responses stream's usage is read, not estimated
         assert counts["prompt_tokens"] >= result["total_input_tokens"]
+
+
+def test_guidellm_through_powerbatch_in_front_of_the_simulator() -> None:
+    with _sim() as sim_url, proxy_server(sim_url, sim_url + "/metrics", 900.0) as proxy_url:
+        result = _guidellm(proxy_url)
+        counts = _proxy_counts(proxy_url)
+    _check_and_record("sim-guidellm", result, counts)
 
 
 def test_vllm_bench_serve_through_powerbatch_in_front_of_real_vllm() -> None:
