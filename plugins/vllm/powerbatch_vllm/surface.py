@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from powerbatch.errors import ConfigError
+
 BASELINE = Path(__file__).with_name("vllm_surface.json")
 
 _SCHED = "vllm/v1/core/sched/scheduler.py"
@@ -93,8 +95,9 @@ SCHEDULE_READS = (
 HOOKS = ("__init__", "add_request", "schedule", "update_from_output", "shutdown")
 
 
-class SourceMissing(Exception):
-    """The wheel or tree lacks a file the hooks rely on."""
+class SourceMissing(ConfigError):
+    """The wheel or tree lacks a file the hooks rely on (not a vLLM source, or one that moved
+    the scheduler)."""
 
 
 def _reader(source: Path) -> Callable[[str], str]:
