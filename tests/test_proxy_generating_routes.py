@@ -208,9 +208,12 @@ class _Recorded:
         finally:
             self.active -= 1
 
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({})
+
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_get("/health", lambda r: web.json_response({}))
+        app.router.add_get("/health", self.health)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         return app
 
@@ -483,6 +486,14 @@ def test_an_unknown_post_route_is_refused_unless_named_and_known_safe_ones_pass(
                         assert r.status == 200
                 async with s.post(p.url + "/v1/systemone", json={}) as r:
                     assert r.status == 403
+            # observe mode enforces nothing: the route passes, as every other request does
+            async with (
+                running_proxy(url, mode="observe") as p,
+                aiohttp.ClientSession() as s,
+                s.post(p.url + "/v1/systemone", json={}) as r,
+            ):
+                assert r.status == 200
+            assert stub.paths[-1] == "/v1/systemone"
         finally:
             await runner.cleanup()
 

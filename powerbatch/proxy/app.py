@@ -570,6 +570,7 @@ class PassThrough:
         self.refuse = refuse
         globs = (*SAFE_POSTS, *settings.pass_routes)
         self.safe = re.compile("|".join(fnmatch.translate(g) for g in globs))
+        self.logged: set[str] = set()  # routes refused, each logged once (at most 64)
 
     def refused(self, request: web.Request) -> web.Response | None:
         path = request.path
@@ -582,6 +583,9 @@ class PassThrough:
             "power ceiling; name it in the pass_routes setting (POWERBATCH_PASS_ROUTES) to "
             "relay it unadmitted"
         )
+        if path not in self.logged and len(self.logged) < 64:
+            self.logged.add(path)
+            log.warning("refused %s", msg)
         return error_response(403, msg, code="route_not_admitted")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
