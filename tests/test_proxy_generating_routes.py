@@ -564,3 +564,35 @@ async def _payload_bytes(payload: Any) -> bytes:
     sink = Sink()
     await payload.write(sink)
     return b"".join(sink.parts)
+
+
+def test_the_simulator_answers_each_api_in_its_own_error_shape() -> None:
+    """Straight to the simulator, as a client of vLLM would meet it: Anthropic's shape on
+    /v1/messages, OpenAI's on the others."""
+
+    async def main() -> None:
+        sim = await start_sim_server(SimEngine(seed=2))
+        try:
+            async with aiohttp.ClientSession() as s:
+                no_max = {"messages": [{"role": "user", "content": "q"}]}
+                async with s.post(sim.url + "/v1/messages", json=no_max) as r:
+                    assert r.status == 400
+                    doc = await r.json()
+                assert doc["type"] == "error" and doc["error"]["type"] == "invalid_request_error"
+                async with s.post(sim.url + "/v1/messages", json={**no_max, "model": "x"}) as r:
+                    assert r.status == 404
+                    assert (await r.json())["error"]["type"] == "not_found_error"
+                async with s.post(sim.url + "/v1/responses", json={"input": []}) as r:
+                    assert r.status == 400
+                    assert (await r.json())["error"]["param"] == "input"
+                batch = {"messages": [[{"role": "user", "content": "q"}]], "stream": True}
+                async with s.post(sim.url + "/v1/chat/completions/batch", json=batch) as r:
+                    assert r.status == 400
+                    assert (await r.json())["error"]["param"] == "stream"
+                async with s.post(sim.url + "/v1/audio/translations", data=b"x") as r:
+                    assert r.status == 400
+                    assert (await r.json())["error"]["param"] == "file"
+        finally:
+            await sim.close()
+
+    run(main())
