@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fnmatch
 import json
 import logging
 import re
@@ -569,14 +568,16 @@ class PassThrough:
         self.upstream = upstream
         self.refuse = refuse
         globs = (*SAFE_POSTS, *settings.pass_routes)
-        self.safe = re.compile("|".join(fnmatch.translate(g) for g in globs))
+        # `*` stands for one path segment or part of one, never a `/`: a glob cannot let a
+        # path through to a route other than the one it names.
+        self.safe = re.compile("|".join(re.escape(g).replace(r"\*", "[^/]*") for g in globs))
         self.logged: set[str] = set()  # routes refused, each logged once (at most 64)
 
     def refused(self, request: web.Request) -> web.Response | None:
         path = request.path
         if not self.refuse or request.method != "POST" or not path.startswith("/v1/"):
             return None
-        if self.safe.match(path):
+        if self.safe.fullmatch(path):
             return None
         msg = (
             f"POST {path} is not a route powerbatch admits, and it may generate outside the "

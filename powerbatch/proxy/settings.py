@@ -65,8 +65,9 @@ class ProxySettings:
     )
     pass_routes: tuple[str, ...] = setting(
         (),
-        "POST routes under /v1 that powerbatch does not know, relayed without admission (paths "
-        "or fnmatch globs); in enforce mode any other such route gets 403, as it may generate",
+        "POST routes under /v1 that powerbatch does not know, relayed without admission (paths; "
+        "a * matches within one segment); in enforce mode any other such route gets 403, as it "
+        "may generate",
         default_doc="none beyond vLLM's non-generating routes (docs/operations.md)",
     )
 
