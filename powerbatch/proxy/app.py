@@ -1,5 +1,9 @@
 """The aiohttp reverse proxy: GPU routes through admission, everything else passed through.
 
+Every generating route of vLLM's goes through admission, each answered in its own API's shape
+(powerbatch.proxy.dialects); a POST under /v1 that powerbatch does not know is refused in
+enforce mode unless the `pass_routes` setting names it, since it may generate unseen.
+
 The hot path reads the body once, parses only what the decision needs, waits for a slot, and
 relays the upstream's bytes as they come (SSE chunk by chunk, never buffered whole). The slot is
 released in a `finally`, so a client that disconnects, an upstream that fails or a bug all free it.
@@ -11,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +27,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from powerbatch.admission import DEFAULT_PRIORITY, PRIORITIES, Rejected, parse_priority
+from powerbatch.control.config import Mode
 from powerbatch.energy.attribution import Labels, RequestEnergy
 from powerbatch.energy.labels import ANONYMOUS, OTHER, Bounded
 from powerbatch.energy.usage import (
@@ -35,10 +41,20 @@ from powerbatch.energy.usage import (
 )
 from powerbatch.errors import PowerbatchError
 from powerbatch.proxy.auth import TENANT, ApiKeys, auth_middleware
-from powerbatch.proxy.errors import error_body, error_response, sse_error_event
+from powerbatch.proxy.dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect
+from powerbatch.proxy.errors import error_body, error_response
 from powerbatch.proxy.governor import Governor
 from powerbatch.proxy.metrics import ClassSeries
-from powerbatch.proxy.parse import BadRequest, RequestInfo, parse_pooling_request, parse_request
+from powerbatch.proxy.parse import (
+    BadRequest,
+    RequestInfo,
+    parse_audio_request,
+    parse_chat_batch_request,
+    parse_messages_request,
+    parse_pooling_request,
+    parse_request,
+    parse_responses_request,
+)
 from powerbatch.proxy.settings import ProxySettings
 from powerbatch.sse import usage_completion_tokens
 
@@ -66,6 +82,24 @@ POOLING_PATHS = (
 )
 # vLLM routes that touch no GPU: relayed as they are, like every other /v1 route.
 METADATA_PATHS = ("/version", "/tokenize", "/detokenize")
+# vLLM's generating routes beside chat and completions (vllm/entrypoints/, v0.33.0): the
+# Responses API, Anthropic's Messages API, the chat batch and speech to text.
+AUDIO_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
+# POST routes under /v1 that vLLM 0.33 serves without generating (they render or count
+# tokens, or manage adapters and stored responses): relayed without admission. Any other POST
+# under /v1 is refused in enforce mode unless the pass_routes setting names it.
+SAFE_POSTS = (
+    "/v1/messages/count_tokens",
+    "/v1/chat/completions/render",
+    "/v1/completions/render",
+    "/v1/messages/render",
+    "/v1/responses/render",
+    "/v1/chat/completions/derender",
+    "/v1/completions/derender",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/v1/responses/*/cancel",
+)
 # An SSE event ends at a blank line; the relay forwards whole events only (see StreamRelay).
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 _MAX_PARTIAL_EVENT = 64 * 1024
@@ -85,10 +119,16 @@ def _event_end(buf: bytes) -> int:
     return max(ends, default=0)
 
 
-def _plain_error(status: int, message: str, code: str, type_: str) -> web.Response:
-    """An OpenAI-shaped error for statuses errors.py has no type for; closes the connection."""
-    body = error_body(status, message, code=code)
-    body["error"]["type"] = type_
+def _plain_error(
+    status: int, message: str, code: str, type_: str, dialect: Dialect = OPENAI
+) -> web.Response:
+    """An error for statuses errors.py has no type for; closes the connection."""
+    body: dict[str, Any]
+    if dialect is ANTHROPIC:
+        body = dialect.error_body(status, message, code=code)
+    else:
+        body = error_body(status, message, code=code)
+        body["error"]["type"] = type_
     resp = web.json_response(body, status=status)
     resp.force_close()  # the rest of the request may never come: don't wait for it
     return resp
@@ -111,7 +151,9 @@ def _is_json_error(body: bytes) -> bool:
         return False
 
 
-async def read_body(request: web.Request, settings: ProxySettings) -> bytes | web.Response:
+async def read_body(
+    request: web.Request, settings: ProxySettings, dialect: Dialect = OPENAI
+) -> bytes | web.Response:
     """The body, or the answer to give: 413 over the limit, 408 if it trickles in."""
     try:
         if request.content.is_eof():  # all of it is here already: no timer to arm
@@ -120,12 +162,12 @@ async def read_body(request: web.Request, settings: ProxySettings) -> bytes | we
             return await request.read()
     except web.HTTPRequestEntityTooLarge:
         msg = f"request body over {settings.max_body_bytes} bytes"
-        resp = error_response(413, msg, code="too_large")
+        resp = dialect.error(413, msg, code="too_large")
         resp.force_close()
         return resp
     except TimeoutError:
         msg = f"request body not received within {settings.client_timeout_s:g} s"
-        return _plain_error(408, msg, "client_timeout", "invalid_request_error")
+        return _plain_error(408, msg, "client_timeout", "invalid_request_error", dialect)
 
 
 class Upstream:
@@ -158,7 +200,9 @@ class Upstream:
             out["Authorization"] = self.auth
         return out
 
-    async def send(self, request: web.Request, raw: bytes) -> aiohttp.ClientResponse | web.Response:
+    async def send(
+        self, request: web.Request, raw: bytes, dialect: Dialect = OPENAI
+    ) -> aiohttp.ClientResponse | web.Response:
         """The upstream's response once its headers are in, or the answer to give instead: 504
         past headers_timeout_s, 503 when it cannot be reached, 502 on any other failure."""
         assert self.session is not None
@@ -173,14 +217,16 @@ class Upstream:
                 )
         except TimeoutError:
             msg = f"upstream did not answer within {timeout_s:g} s"
-            return error_response(504, msg, code="upstream_timeout")
+            return dialect.error(504, msg, code="upstream_timeout")
         except aiohttp.ClientConnectorError as exc:
-            return error_response(503, f"upstream unavailable: {exc}", code="upstream_unavailable")
+            return dialect.error(503, f"upstream unavailable: {exc}", code="upstream_unavailable")
         except aiohttp.ClientError as exc:
             msg = f"upstream error: {exc or type(exc).__name__}"
-            return error_response(502, msg, code="upstream_error")
+            return dialect.error(502, msg, code="upstream_error")
 
-    async def read(self, up: aiohttp.ClientResponse) -> bytes | web.Response:
+    async def read(
+        self, up: aiohttp.ClientResponse, dialect: Dialect = OPENAI
+    ) -> bytes | web.Response:
         """The whole body, or a 502 when the upstream breaks off or is silent for read_timeout_s."""
         try:
             if up.content.is_eof():  # all of it is here already: no timer to arm
@@ -195,7 +241,7 @@ class Upstream:
                     return b"".join(parts)
         except (aiohttp.ClientError, TimeoutError) as exc:
             msg = f"upstream failed while answering: {exc or type(exc).__name__}"
-            return error_response(502, msg, code="upstream_error")
+            return dialect.error(502, msg, code="upstream_error")
 
 
 class EnergyLabels:
@@ -231,6 +277,7 @@ class Call:
     t0: float
     rec: RequestEnergy
     generates: bool
+    dialect: Dialect = OPENAI
 
 
 class Accounting:
@@ -281,25 +328,33 @@ class BodyRelay:
         self.acc = acc
 
     async def __call__(self, call: Call, up: aiohttp.ClientResponse) -> web.StreamResponse:
-        body = await self.upstream.read(up)
+        dialect = call.dialect
+        body = await self.upstream.read(up, dialect)
         if isinstance(body, web.Response):
             call.series.outcomes["upstream_error"].inc()
             return body
         now = time.monotonic()
         headers = _forward_headers(up.headers)
         if up.status == 200:
-            doc, usage = json_usage(body)
-            tokens = usage_int(usage, "completion_tokens")
+            if dialect.openai_usage:
+                doc, usage = json_usage(body)
+                tokens = usage_int(usage, "completion_tokens")
+                prompt = usage_int(usage, "prompt_tokens")
+            else:  # relayed as it is: the counts are read off the bytes, nothing is parsed
+                doc, usage = None, None
+                tokens, prompt = dialect.final_tokens(body), dialect.final_prompt_tokens(body)
             if not call.generates:
                 # No first token and no decode: a TTFT or TPOT sample would mislead the SLOs.
                 call.series.outcomes["ok"].inc()
                 call.series.e2e_s.observe(now - call.t0)
             else:
                 self.acc.ok(call, first_s=now, last_s=now, tokens=tokens)
-            prompt = usage_int(usage, "prompt_tokens") or call.info.prompt_tokens
+            prompt = prompt or call.info.prompt_tokens
             energy_j = self.gov.energy.finish(call.rec)
             self.gov.energy.count_tokens(call.rec.labels, prompt, tokens or 0)
-            if usage is not None:
+            if usage is not None and ("prompt_tokens" in usage or "completion_tokens" in usage):
+                # energy_j goes beside OpenAI's token counts only (an audio answer's usage is
+                # its duration, and stays as it came)
                 body = with_energy(doc, usage, energy_j)
             if self.energy_header:
                 headers[HEADER] = f"{energy_j:.6f}"
@@ -310,7 +365,7 @@ class BodyRelay:
                 # A crashed server or a load balancer in between: say so in the OpenAI shape.
                 snippet = body[:200].decode("utf-8", "replace")
                 msg = f"upstream answered {up.status}: {snippet}"
-                return error_response(502, msg, code="upstream_error")
+                return dialect.error(502, msg, code="upstream_error")
         return web.Response(body=body, status=up.status, headers=headers)
 
 
@@ -330,6 +385,8 @@ class StreamRelay:
 
     async def __call__(self, call: Call, up: aiohttp.ClientResponse) -> web.StreamResponse:
         request, info, rec, outcomes = call.request, call.info, call.rec, call.series.outcomes
+        dialect = call.dialect
+        count = dialect.tokens_in
         resp = web.StreamResponse(status=up.status, headers=_forward_headers(up.headers))
         read_s, write_s = self.read_s, self.write_s
         first_s: float | None = None
@@ -359,7 +416,7 @@ class StreamRelay:
                 if cut == 0 and len(pending) <= _MAX_PARTIAL_EVENT:
                     continue
                 out, pending = (pending[:cut], pending[cut:]) if cut else (pending, b"")
-                n = out.count(b"data: ")
+                n = count(out)
                 events += n
                 self.gov.output_tokens_total += n
                 rec.add(decode_tokens=n)
@@ -374,15 +431,20 @@ class StreamRelay:
                     async with asyncio.timeout(write_s):
                         await resp.write(out)
             async with asyncio.timeout(write_s):
-                tokens = usage_completion_tokens(tail)
+                last_prompt: int | None = None
+                if dialect.openai_usage:
+                    tokens = usage_completion_tokens(tail)
+                else:
+                    tokens = dialect.final_tokens(tail)
+                    last_prompt = dialect.final_prompt_tokens(tail)
                 if tokens is not None:
                     self.gov.output_tokens_total += tokens - events
-                else:
-                    tokens = max(events - 2, 0)  # the role event and [DONE] carry no token
+                else:  # OpenAI: the role event and [DONE] carry no token
+                    tokens = max(events - dialect.overhead, 0)
                 now = time.monotonic()
                 self.acc.ok(call, first_s=first_s or now, last_s=now, tokens=tokens)
                 energy_j = self.gov.energy.finish(rec)
-                prompt: int | None = None
+                prompt = last_prompt
                 if held is not None:
                     pending, prompt = events_with_energy(held + pending, energy_j)
                 prompt = prompt or info.prompt_tokens
@@ -397,8 +459,7 @@ class StreamRelay:
             with contextlib.suppress(ConnectionError, TimeoutError):
                 async with asyncio.timeout(write_s):
                     msg = f"upstream failed mid-stream: {exc}"
-                    await resp.write(sse_error_event(502, msg, code="upstream_error"))
-                    await resp.write(b"data: [DONE]\n\n")
+                    await resp.write(dialect.stream_error(502, msg, "upstream_error", events))
                     await resp.write_eof()
         except TimeoutError:
             # The client stopped reading: drop it rather than hold its slot and buffers.
@@ -422,41 +483,44 @@ class AdmittedRoute:
         upstream: Upstream,
         labels: EnergyLabels,
         relays: tuple[BodyRelay, StreamRelay],
-        parse: Callable[[bytes], RequestInfo],
+        parse: Callable[[bytes, str], RequestInfo],
         *,
         generates: bool,
+        dialect: Dialect = OPENAI,
     ) -> None:
         self.gov, self.settings, self.upstream, self.labels = gov, settings, upstream, labels
         self.body, self.stream = relays
         self.parse = parse
         self.generates = generates
+        self.dialect = dialect
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         t0 = time.monotonic()
         m = self.gov.metrics
+        errors = self.dialect
         try:
             priority = parse_priority(request.headers.get("x-priority"))
         except ValueError as exc:
             m.by_class[DEFAULT_PRIORITY].outcomes["bad_request"].inc()
-            return error_response(400, str(exc), param="x-priority", code="invalid_priority")
+            return errors.error(400, str(exc), param="x-priority", code="invalid_priority")
         series = m.by_class[priority]
-        raw = await read_body(request, self.settings)
+        raw = await read_body(request, self.settings, errors)
         if isinstance(raw, web.Response):
             series.outcomes["bad_request"].inc()
             return raw
         try:
-            info = self.parse(raw)
+            info = self.parse(raw, request.headers.get("Content-Type", ""))
         except BadRequest as exc:
             series.outcomes["bad_request"].inc()
-            return error_response(400, str(exc), param=exc.param, code="invalid_request")
+            return errors.error(400, str(exc), param=exc.param, code="invalid_request")
         try:
             slot = await self.gov.queue.admit(
-                priority, info.kv_tokens, info.prompt_tokens, info.stream
+                priority, info.kv_tokens, info.prompt_tokens, info.requests, stream=info.stream
             )
         except Rejected as rej:
             m.rejections.labels(priority, rej.reason).inc()
             series.outcomes["rejected"].inc()
-            return error_response(
+            return errors.error(
                 rej.status, rej.message, code=rej.reason, retry_after_s=rej.retry_after_s
             )
         # A stream's tokens are seen as they come; a whole answer's are estimated until it ends.
@@ -469,7 +533,7 @@ class AdmittedRoute:
             series.queue_wait_s.observe(time.monotonic() - t0)
             m.prompt_tokens.inc(info.prompt_tokens)
             return await self._forward(
-                Call(request, info, priority, series, t0, rec, self.generates), raw
+                Call(request, info, priority, series, t0, rec, self.generates, errors), raw
             )
         finally:
             slot.release()
@@ -477,7 +541,7 @@ class AdmittedRoute:
 
     async def _forward(self, call: Call, raw: bytes) -> web.StreamResponse:
         try:
-            up = await self.upstream.send(call.request, raw)
+            up = await self.upstream.send(call.request, raw, call.dialect)
         except asyncio.CancelledError:
             call.series.outcomes["cancelled"].inc()
             raise
@@ -492,13 +556,43 @@ class AdmittedRoute:
 
 
 class PassThrough:
-    """Other /v1 routes and vLLM's metadata routes: relayed whole, bounded by the timeouts."""
+    """Other /v1 routes and vLLM's metadata routes: relayed whole, bounded by the timeouts.
 
-    def __init__(self, settings: ProxySettings, upstream: Upstream) -> None:
+    A POST under /v1 that is neither admitted nor known not to generate (SAFE_POSTS, the
+    `pass_routes` setting) is refused with 403 in enforce mode: it may be a generating route
+    of a newer vLLM, which would run beside the ceiling unseen.
+    """
+
+    def __init__(self, settings: ProxySettings, upstream: Upstream, *, refuse: bool) -> None:
         self.settings = settings
         self.upstream = upstream
+        self.refuse = refuse
+        globs = (*SAFE_POSTS, *settings.pass_routes)
+        # `*` stands for one path segment or part of one, never a `/`: a glob cannot let a
+        # path through to a route other than the one it names.
+        self.safe = re.compile("|".join(re.escape(g).replace(r"\*", "[^/]*") for g in globs))
+        self.logged: set[str] = set()  # routes refused, each logged once (at most 64)
+
+    def refused(self, request: web.Request) -> web.Response | None:
+        path = request.path
+        if not self.refuse or request.method != "POST" or not path.startswith("/v1/"):
+            return None
+        if self.safe.fullmatch(path):
+            return None
+        msg = (
+            f"POST {path} is not a route powerbatch admits, and it may generate outside the "
+            "power ceiling; name it in the pass_routes setting (POWERBATCH_PASS_ROUTES) to "
+            "relay it unadmitted"
+        )
+        if path not in self.logged and len(self.logged) < 64:
+            self.logged.add(path)
+            log.warning("refused %s", msg)
+        return error_response(403, msg, code="route_not_admitted")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        refusal = self.refused(request)
+        if refusal is not None:
+            return refusal
         raw = await read_body(request, self.settings)
         if isinstance(raw, web.Response):
             return raw
@@ -599,8 +693,15 @@ def create_app(
     relays = (BodyRelay(gov, settings, upstream, acc), StreamRelay(gov, settings, acc))
     ops = OperatorRoutes(gov, upstream)
 
-    def admitted(parse: Callable[[bytes], RequestInfo], generates: bool) -> AdmittedRoute:
-        return AdmittedRoute(gov, settings, upstream, labels, relays, parse, generates=generates)
+    def admitted(
+        parse: Callable[[bytes, str], RequestInfo], generates: bool, dialect: Dialect = OPENAI
+    ) -> AdmittedRoute:
+        return AdmittedRoute(
+            gov, settings, upstream, labels, relays, parse, generates=generates, dialect=dialect
+        )
+
+    def json_only(parse: Callable[[bytes], RequestInfo]) -> Callable[[bytes, str], RequestInfo]:
+        return lambda raw, _content_type: parse(raw)
 
     async def lifecycle(app: web.Application) -> Any:
         own = session is None
@@ -613,22 +714,36 @@ def create_app(
 
     app.cleanup_ctx.append(lifecycle)
 
-    def completion(chat: bool) -> AdmittedRoute:
-        parse = partial(
-            parse_request,
-            chat=chat,
-            default_max_tokens=settings.default_max_tokens,
-            max_tokens_limit=settings.max_tokens_limit,
-        )
-        return admitted(parse, True)
+    sizes = {
+        "default_max_tokens": settings.default_max_tokens,
+        "max_tokens_limit": settings.max_tokens_limit,
+    }
 
-    routes = {"/v1/chat/completions": completion(True), "/v1/completions": completion(False)}
-    pooling = admitted(parse_pooling_request, False)  # admitted on its prefill: it draws power
+    def generating(parse: Callable[..., RequestInfo], dialect: Dialect = OPENAI) -> AdmittedRoute:
+        return admitted(json_only(partial(parse, **sizes)), True, dialect)
+
+    messages = partial(parse_messages_request, max_tokens_limit=settings.max_tokens_limit)
+    routes = {
+        "/v1/chat/completions": generating(partial(parse_request, chat=True)),
+        "/v1/completions": generating(partial(parse_request, chat=False)),
+        "/v1/chat/completions/batch": generating(parse_chat_batch_request),
+        "/v1/responses": generating(parse_responses_request, RESPONSES),
+        "/v1/messages": admitted(json_only(messages), True, ANTHROPIC),
+    }
+    audio_parse = partial(
+        parse_audio_request,
+        default_max_tokens=settings.default_max_tokens,
+        max_tokens_limit=settings.max_tokens_limit,
+    )
+    audio = admitted(audio_parse, True)  # multipart: it reads the Content-Type too
+    routes.update(dict.fromkeys(AUDIO_PATHS, audio))
+    pooling = admitted(json_only(parse_pooling_request), False)  # on its prefill: it draws power
     routes.update(dict.fromkeys(POOLING_PATHS, pooling))
     for path, handler in routes.items():
         app.router.add_post(path, handler.handle)
         app.router.add_route("*", path, ops.method_not_allowed)
-    passthrough = PassThrough(settings, upstream)
+    refuse = gov.controller.config.mode == Mode.ENFORCE
+    passthrough = PassThrough(settings, upstream, refuse=refuse)
     for path in (*METADATA_PATHS, "/v1/{tail:.*}"):
         app.router.add_route("*", path, passthrough.handle)
     app.router.add_get("/health", ops.health)

@@ -63,6 +63,13 @@ class ProxySettings:
     access_log: bool = setting(
         False, "log a line per answered request at INFO: class, tenant, tokens, joules, time"
     )
+    pass_routes: tuple[str, ...] = setting(
+        (),
+        "POST routes under /v1 that powerbatch does not know, relayed without admission (paths; "
+        "a * matches within one segment); in enforce mode any other such route gets 403, as it "
+        "may generate",
+        default_doc="none beyond vLLM's non-generating routes (docs/operations.md)",
+    )
 
     def __post_init__(self) -> None:
         check_bounds(self)

