@@ -628,7 +628,12 @@ class _SimCollector(Collector):
             power.add_metric(lab, avg_w[i])
             power_instant.add_metric(lab, instant[i])
             energy.add_metric(lab, energy_mj[i])
-        return [power, power_instant, energy, _power_limit_metric(e, gpu_labels, per_gpu)]
+        clock = GaugeMetricFamily(
+            "DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz).", labels=gpu_labels
+        )
+        for lab in per_gpu:  # the set steps in lockstep: one clock for all
+            clock.add_metric(lab, e.sm_clock_mhz())
+        return [power, power_instant, energy, _power_limit_metric(e, gpu_labels, per_gpu), clock]
 
 
 def _power_limit_metric(
