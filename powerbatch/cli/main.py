@@ -28,6 +28,11 @@ def _sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--max-num-queued-reqs", type=int, default=None)
     p.add_argument("--power-limit-w", type=float, default=None, help="hardware cap (default TDP)")
     p.add_argument(
+        "--lock-clocks-mhz",
+        default=None,
+        help="MIN,MAX: start with every GPU's SM clock locked to this range (nvidia-smi -lgc)",
+    )
+    p.add_argument(
         "--cap-by-clock",
         action="store_true",
         help="meet a power limit by lowering the SM clock on the clock model, as locked clocks "
@@ -77,8 +82,19 @@ def _run_sim(a: argparse.Namespace) -> None:
             seed=a.seed,
             zeusd_token=a.zeusd_token,
             dcgm_interval_s=a.dcgm_interval_s,
+            locked_clocks_mhz=_lock_arg(a.lock_clocks_mhz),
         )
     )
+
+
+def _lock_arg(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--lock-clocks-mhz wants MIN,MAX in MHz, got {text!r}") from None
+    return lo, hi
 
 
 def build_parser() -> argparse.ArgumentParser:

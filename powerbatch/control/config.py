@@ -298,7 +298,7 @@ class ClockPolicy:
         0.03, "move only for a predicted saving of at least this share of J/token", ge=0, lt=1
     )
     clock_explore_every_s: float = setting(
-        30.0, "try a neighbouring clock this often while the SLOs have room, s", gt=0
+        10.0, "try a neighbouring clock this often while the SLOs have room, s", gt=0
     )
     clock_explore_s: float = setting(3.0, "and stay there this long, s", gt=0)
     clock_hold_s: float = setting(

@@ -748,10 +748,15 @@ async def run_sim_server(
     zeusd_token: str | None = None,
     dcgm_interval_s: float = 0.0,
     dcgm_lag_s: float = 0.0,
+    locked_clocks_mhz: tuple[int, int] | None = None,
     **engine_kwargs: Any,
 ) -> None:
-    """Build an engine from `engine_kwargs` (see SimEngine) and serve until cancelled."""
+    """Build an engine from `engine_kwargs` (see SimEngine) and serve until cancelled;
+    `locked_clocks_mhz` locks every GPU's SM clock first, as `nvidia-smi -lgc` would."""
     engine = SimEngine(**engine_kwargs)
+    if locked_clocks_mhz is not None:
+        for gpu in range(engine.profile.num_gpus):
+            engine.set_gpu_locked_clocks(gpu, *locked_clocks_mhz)
     server = await start_sim_server(
         engine,
         host,

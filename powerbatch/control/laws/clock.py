@@ -7,13 +7,18 @@ so a lower clock through decode-heavy spells saves energy, and a high one serves
 and a growing queue (VoltanaLLM sets prefill and decode clocks apart; throttLL'eM, arXiv
 2408.05235, picks the clock from KV use and batch). The power limit still holds the ceiling.
 
-Nothing is assumed of the plant. For each candidate clock top (`clock_levels` of them from the
-highest supported clock down to `clock_floor_frac` of it) the law learns online, by recursive
-least squares with forgetting, the 1-second power and the time per decode step (the batch over
-the decode token rate) against the load (batch and prefill rate): the clock is a feature of the
-model. A level it has not seen is priced as no saving and a 1/f slowdown (compute-bound, the
-worst case), so it is only chosen once exploration has shown it: every `clock_explore_every_s`,
-while the SLOs have room, one neighbour of the chosen level is tried for `clock_explore_s`.
+Nothing is assumed of the plant but the sign of the clock's effect. The law learns online, by
+recursive least squares with forgetting, the log of the 1-second power and of the time per
+decode step (the batch over the decode token rate) against the log of the load (batch and
+prefill rate) and the clock: one indicator per candidate top (`clock_levels` of them down to
+`clock_floor_frac` of the highest). The load's coefficients are shared by every level, so a few
+seconds at a level fix its two factors (power and step time against the top's at any load),
+kept physical: a lower clock never draws more nor steps faster. It learns only where it acts
+(nothing queued, no prefill burst), so exploration and reference see the same regime. A level
+it has not seen is priced as no saving and a 1/f slowdown (compute-bound, the worst case), so
+it is only chosen once exploration has shown it:
+every `clock_explore_every_s`, while the SLOs have room, one level next to the chosen one or
+just under the lowest one known is tried for `clock_explore_s`.
 
 Each tick, in order:
 * objective `throughput` (the default), no trustworthy reading, or no known clocks: unlocked;
@@ -41,9 +46,11 @@ from powerbatch.control.config import ClockPolicy, ControlConfig
 
 HALF_LIFE_S = 120.0
 """The per-level models forget with this half-life: a plant drifts over minutes (thermals)."""
-MIN_SAMPLES = 8.0
+MIN_SAMPLES = 5.0
 """Effective samples before a level's model is trusted."""
 BURST_FACTOR = 2.0
+LEARN_PREFILL_FACTOR = 1.5
+"""Ticks whose prefill rate is over this many times its slow average are not learned."""
 """A prefill rate this many times its slow average is a burst."""
 
 
@@ -95,8 +102,8 @@ class _Rls:
         return float(x @ self.theta)
 
 
-def _x(batch: float, prefill_tok_s: float) -> np.ndarray:
-    return np.array([1.0, batch / 64.0, prefill_tok_s / 10_000.0])
+def _load(batch: float, prefill_tok_s: float) -> np.ndarray:
+    return np.array([1.0, math.log(max(batch, 1.0)), math.log1p(max(prefill_tok_s, 0.0) / 1000.0)])
 
 
 class ClockLaw:
@@ -105,8 +112,10 @@ class ClockLaw:
         self.config = config
         self.levels: list[int] = []
         self._supported: list[int] = []
-        self._power: list[_Rls] = []
-        self._step: list[_Rls] = []
+        self._log_power = _Rls(3, 1.0)
+        self._log_step = _Rls(3, 1.0)
+        self._counts = np.zeros(0)  # effective samples per level
+        self._forget = 1.0
         self._best = 0  # index into levels (0 is the top)
         self._hold_until_s = -math.inf
         self._explore_until_s = -math.inf
@@ -115,6 +124,7 @@ class ClockLaw:
         self._prefill_avg = 0.0
         self._queued: deque[int] = deque(maxlen=5)
         self.last: ClockChoice | None = None
+        self.last_input: ClockInput | None = None
 
     @property
     def active(self) -> bool:
@@ -138,8 +148,10 @@ class ClockLaw:
                 levels.append(below[-1])
         self.levels = levels
         forget = 0.5 ** (1.0 / (HALF_LIFE_S * tick_hz))
-        self._power = [_Rls(3, forget) for _ in levels]
-        self._step = [_Rls(3, forget) for _ in levels]
+        dim = 3 + len(levels) - 1
+        self._log_power, self._log_step = _Rls(dim, forget), _Rls(dim, forget)
+        self._counts = np.zeros(len(levels))
+        self._forget = forget
         self._best = 0
 
     def _level_of(self, mhz: float) -> int:
@@ -158,17 +170,54 @@ class ClockLaw:
             return
         if inp.batch < 1 or inp.decode_tok_s <= 0:
             return
+        if inp.queued > 0 or inp.prefill_tok_s > LEARN_PREFILL_FACTOR * max(self._prefill_avg, 1.0):
+            # Learn where the law acts (nothing waits, no burst): exploration only happens
+            # there, and a model fitted on bursts too would price every level against a top
+            # measured under a heavier load than the level was.
+            return
         i = self._level_of(inp.top_mhz)
-        x = _x(inp.batch, inp.prefill_tok_s)
-        self._power[i].update(x, inp.power_w)
-        self._step[i].update(x, inp.batch / inp.decode_tok_s)
+        z = self._z(i, _load(inp.batch, inp.prefill_tok_s))
+        self._log_power.update(z, math.log(max(inp.power_w, 1e-3)))
+        self._log_step.update(z, math.log(inp.batch / inp.decode_tok_s))
+        self._counts *= self._forget
+        self._counts[i] += 1.0
+
+    def _z(self, i: int, load: np.ndarray) -> np.ndarray:
+        onehot = np.zeros(len(self.levels) - 1)
+        if i > 0:
+            onehot[i - 1] = 1.0
+        return np.concatenate([load, onehot])
+
+    def samples(self, i: int) -> float:
+        """Effective samples behind level i's model."""
+        return float(self._counts[i]) if len(self._counts) > i else 0.0
 
     def _predict(self, i: int, x: np.ndarray) -> tuple[float, float, bool]:
         """(power W, step s, known) at level i; unknown levels are priced pessimistically."""
-        p_top, s_top = self._power[0].predict(x), self._step[0].predict(x)
-        if i == 0 or self._power[i].n < MIN_SAMPLES or self._step[i].n < MIN_SAMPLES:
-            return p_top, s_top * self.levels[0] / self.levels[i], i == 0
-        return self._power[i].predict(x), self._step[i].predict(x), True
+        z0 = self._z(0, x)
+        p_top, s_top = math.exp(self._log_power.predict(z0)), math.exp(self._log_step.predict(z0))
+        if i == 0:
+            return p_top, s_top, True
+        if self.samples(i) < MIN_SAMPLES or self.samples(0) < MIN_SAMPLES:
+            return p_top, s_top * self.levels[0] / self.levels[i], False
+        power_f, step_f = self._monotone_factors()[i]
+        return p_top * power_f, s_top * step_f, True
+
+    def _monotone_factors(self) -> list[tuple[float, float]]:
+        """Per level, the (power, step) factors against the top, made physical: a lower clock
+        never draws more power nor makes a step shorter at the same load (f x V^2 falls with f,
+        and SM time grows as 1/f on any GPU). Down the levels, power is a running minimum
+        (at most 1) and step time a running maximum (at least 1); unknown levels carry on the
+        last known factors. This is the only shape assumed, and it is not the simulator's."""
+        out: list[tuple[float, float]] = [(1.0, 1.0)]
+        p_min, s_max = 1.0, 1.0
+        for i in range(1, len(self.levels)):
+            if self.samples(i) >= MIN_SAMPLES:
+                k = 3 + i - 1
+                p_min = min(p_min, math.exp(float(self._log_power.theta[k])))
+                s_max = max(s_max, math.exp(float(self._log_step.theta[k])))
+            out.append((p_min, s_max))
+        return out
 
     def _guard(self, inp: ClockInput) -> str | None:
         """Why the top clock is needed now, or None."""
@@ -185,6 +234,7 @@ class ClockLaw:
         return None
 
     def tick(self, inp: ClockInput, sensor_ok: bool) -> ClockChoice:
+        self.last_input = inp
         self.learn(inp)
         choice = self._choose(inp, sensor_ok)
         self.last = choice
@@ -211,7 +261,7 @@ class ClockLaw:
             return ClockChoice(None, "top clock: holding after a burst")
         if inp.batch < 1:
             return ClockChoice(self._lock(self._best), "idle: clock held")
-        x = _x(inp.batch, inp.prefill_tok_s)
+        x = _load(inp.batch, inp.prefill_tok_s)
         if inp.t_s < self._explore_until_s and self._explore_level is not None:
             return ClockChoice(self._lock(self._explore_level), "exploring", exploring=True)
         best, gain = self._best_level(x)
@@ -225,7 +275,7 @@ class ClockLaw:
             self._next_explore_s = inp.t_s + pol.clock_explore_every_s
             candidates = self._explore_candidates(best, x)
             if candidates:
-                pick = min(candidates, key=lambda i: self._power[i].n)
+                pick = min(candidates, key=self.samples)
                 self._explore_level = pick
                 self._explore_until_s = inp.t_s + pol.clock_explore_s
                 return ClockChoice(self._lock(pick), "exploring", exploring=True)
@@ -241,7 +291,9 @@ class ClockLaw:
         feasible (so exploration walks down the frontier one level at a time, never further)."""
         n = len(self.levels)
         out = {i for i in (best + 1, best - 1) if 0 <= i < n}
-        known = [i for i in range(n) if self._power[i].n >= MIN_SAMPLES]
+        if self.samples(0) < 3 * MIN_SAMPLES:
+            out.add(0)  # the reference every level is priced against
+        known = [i for i in range(n) if self.samples(i) >= MIN_SAMPLES]
         if known and self._feasible(max(known), x):
             frontier = max(known) + 1
             if frontier < n:
@@ -290,7 +342,21 @@ class ClockLaw:
         return {
             "objective": self.policy.clock_objective,
             "levels_mhz": self.levels,
-            "samples": [round(m.n, 1) for m in self._power],
+            "samples": [round(self.samples(i), 1) for i in range(len(self.levels))],
             "chosen_mhz": self.levels[self._best] if self.levels else None,
             "reason": self.last.reason if self.last else None,
+            "factors": self.factors(),
+            "input": None
+            if self.last_input is None
+            else {
+                k: getattr(self.last_input, k)
+                for k in ("power_w", "batch", "decode_tok_s", "prefill_tok_s", "top_mhz")
+            },
         }
+
+    def factors(self) -> list[tuple[float, float] | None]:
+        """Per level, the (power, step time) factors against the top's; None: unknown."""
+        return [
+            (round(p, 3), round(st, 3)) if i == 0 or self.samples(i) >= MIN_SAMPLES else None
+            for i, (p, st) in enumerate(self._monotone_factors())
+        ]
