@@ -270,6 +270,11 @@ class ClockLaw:
             _, cur_gain = self._score(current, x)
             if gain - cur_gain < pol.clock_min_gain and self._feasible(current, x):
                 best, gain = current, cur_gain
+        if best > current and self._explore_level == best:
+            # The last try found a better level: try the next one soon, not a period later.
+            self._next_explore_s = min(
+                self._next_explore_s or math.inf, inp.t_s + pol.clock_explore_every_s / 4
+            )
         self._best = best
         if inp.t_s >= self._next_explore_s and self._room(inp):
             self._next_explore_s = inp.t_s + pol.clock_explore_every_s
