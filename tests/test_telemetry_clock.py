@@ -287,3 +287,36 @@ def test_device_clock_stop_resets_and_exports_the_fallback_metric(tmp_path: Path
     assert values["powerbatch_sm_clock_degraded"] == 1.0
     assert math.isnan(values["powerbatch_sm_clock_mhz"])
     assert locked is None and status["fallbacks_total"] == 1
+
+
+def test_a_failed_tick_and_observe_mode_leave_the_clock_unlocked() -> None:
+    async def main() -> list[Any]:
+        out: list[Any] = []
+        for mode in ("enforce", "observe"):
+            backend = FlakyClock()
+            cfg = ControlConfig(ceiling_w=600.0, mode=mode)  # type: ignore[arg-type]
+            dev = DeviceClock(
+                ClockActuator(backend, min_interval_s=0.0),
+                ClockPolicy(clock_objective="energy"),
+                cfg,
+                CollectorRegistry(),
+            )
+            await dev.start()
+            await dev.actuator.apply((345, 1200))
+            if mode == "enforce":
+                dev.fail_safe()  # the loop's answer to a tick that raised
+            else:
+                from powerbatch.control.types import Observation
+                from powerbatch.estimate import Features
+
+                obs = Observation(
+                    t_s=1.0, power_w=300.0, sensor_ok=True, features=Features(4, 1000, 0, 100),
+                    in_flight=4, queued=0,
+                )  # fmt: skip
+                dev.tick(obs, 1.0)
+            assert dev._task is not None
+            await dev._task
+            out.append(backend.locked)
+        return out
+
+    assert run(main()) == [None, None]

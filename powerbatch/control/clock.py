@@ -133,6 +133,7 @@ class DeviceClock:
         self.metrics = ClockMetrics(registry)
         self.phases = PhaseEnergy()
         self._tick_hz = config.tick_hz
+        self._observing = config.mode == "observe"
         self._task: asyncio.Task[None] | None = None
         self._sampled_at = -math.inf
         self._changed_at = -math.inf
@@ -169,13 +170,18 @@ class DeviceClock:
         )
         choice = self.law.tick(inp, obs.sensor_ok and obs.power_w is not None)
         self.phases.add(t_s, obs.power_w, obs.features.prefill_tok_s, obs.features.decode_tok_s)
-        self._request(choice, t_s)
+        # Observing enforces nothing, the clock included: the choice is reported, not applied.
+        self._request(None if self._observing else choice.lock, t_s)
         self.metrics.export(self.actuator.status())
         for phase, v in self.phases.j_per_token().items():
             self.metrics.j_per_token.labels(phase).set(math.nan if v is None else v)
         return choice
 
-    def _request(self, choice: ClockChoice, t_s: float) -> None:
+    def fail_safe(self) -> None:
+        """A tick failed: back to the driver's own clock policy until ticks work again."""
+        self._request(None, self._sampled_at)
+
+    def _request(self, lock: tuple[int, int] | None, t_s: float) -> None:
         if self._task is not None and not self._task.done():
             return
         try:
@@ -185,12 +191,12 @@ class DeviceClock:
         sample = t_s - self._sampled_at >= SAMPLE_EVERY_S
         if sample:
             self._sampled_at = t_s
-        self._task = loop.create_task(self._apply(choice, t_s, sample), name="powerbatch-clock")
+        self._task = loop.create_task(self._apply(lock, t_s, sample), name="powerbatch-clock")
 
-    async def _apply(self, choice: ClockChoice, t_s: float, sample: bool) -> None:
+    async def _apply(self, lock: tuple[int, int] | None, t_s: float, sample: bool) -> None:
         try:
             before = self.actuator.changes_total
-            await self.actuator.apply(choice.lock)
+            await self.actuator.apply(lock)
             if self.actuator.changes_total != before:
                 self._changed_at = t_s
             if sample:

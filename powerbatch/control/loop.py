@@ -275,6 +275,8 @@ class ControlLoop:
                 part.fail_safe()
             except Exception:
                 log.exception("%r failed to go safe", part)
+        if self.sm_clock is not None:
+            self.sm_clock.fail_safe()
 
     # -- one tick -----------------------------------------------------------------------------
 
