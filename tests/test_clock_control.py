@@ -228,3 +228,17 @@ def test_the_ceiling_still_fails_closed_without_a_reading() -> None:
         choice = law.tick(inp, obs.sensor_ok)
     assert d.state is State.FAIL_CLOSED and d.enforced.max_requests <= cfg.safe_batch
     assert choice.lock is None and "no trustworthy" in choice.reason
+
+
+def test_clock_settings_are_checked_where_they_are_loaded() -> None:
+    from powerbatch.cli.settings import SERVE
+    from powerbatch.errors import ConfigError
+    from powerbatch.settings import load
+
+    base = {"upstream": "http://127.0.0.1:9", "ceiling_w": 500}
+    with pytest.raises(ConfigError, match="zeusd"):
+        load(SERVE, overrides=base | {"clock_control": "zeusd"})
+    with pytest.raises(ConfigError, match="clock_range_mhz"):
+        load(SERVE, overrides=base | {"clock_range_mhz": (1980, 345)})
+    s = load(SERVE, overrides=base)
+    assert s.clock.clock_control == "none" and s.clock_policy.clock_objective == "throughput"
