@@ -199,7 +199,11 @@ class _DeviceClock:
                     }
                 )
             except Exception as exc:
-                raise ClockError(str(exc).replace("limit", "clock")) from exc
+                raise ClockError(
+                    f"cannot write the clock state file {self.state_file.path} ({exc}); refusing "
+                    "to lock the clocks without a way to reset them after a crash "
+                    "(set limit_state_dir)"
+                ) from exc
         self.changes_total += 1
         await self._lock(min_mhz, max_mhz)
 
