@@ -320,3 +320,20 @@ def test_a_failed_tick_and_observe_mode_leave_the_clock_unlocked() -> None:
         return out
 
     assert run(main()) == [None, None]
+
+
+def test_no_lock_without_a_writable_state_file(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+
+    async def body(server: SimServer) -> list[Any]:
+        act = ClockActuator(zeusd_clock(server, blocker))
+        await act.start()
+        lock = await act.apply((345.0, 1200.0))
+        status = act.status()
+        await act.backend.close()
+        return [lock, server.engine.gpu_locked_clocks_mhz, status]
+
+    lock, locks, status = with_sim(body)
+    assert lock is None and locks == [None] * 4
+    assert status["degraded"] and "state file" in status["degraded_reason"]
