@@ -333,7 +333,8 @@ async def search_static_clock(a: argparse.Namespace, profile: LoadProfile, conso
         holds = s["goodput_rps"] >= 0.98 * base["goodput_rps"]
         j = s["j_per_token"] or math.inf
         console.print(
-            f"    clock sweep: top {mhz} MHz -> {j:.3f} J/token (cap {best_j:.3f} at 1980), "
+            f"    clock sweep: top {mhz} MHz -> {j:.3f} J/token (the cap alone "
+            f"{base['j_per_token'] or math.nan:.3f}), "
             f"goodput {s['goodput_rps']:.2f} vs {base['goodput_rps']:.2f} "
             f"({'holds' if holds else 'breaks'})"
         )
