@@ -15,6 +15,7 @@ Classes defined elsewhere name their module in brackets; all derive from a class
     │   ├── LimiterUnavailable      no backend: daemon unreachable, no NVML, no such GPU
     │   ├── LimiterPermissionDenied the backend refused: bad or missing token, no CAP_SYS_ADMIN
     │   └── LimiterTimeout          the backend did not answer in time
+    ├── ClockError                  the SM clock lock could not be read, set or reset
     ├── ReplayError                 a recorded trace is malformed
     │   └── TraceExhausted          [telemetry.replay] every row served: over, not broken
     ├── RequestError                a request answered with an HTTP error instead of service
@@ -77,6 +78,11 @@ class LimiterPermissionDenied(PowerLimitError):
 
 class LimiterTimeout(PowerLimitError):
     """The backend did not answer in time; whether the change happened is unknown."""
+
+
+class ClockError(PowerbatchError):
+    """The GPUs' SM clock lock could not be read, set or reset (the clock actuator falls back
+    to unlocked clocks and reports it)."""
 
 
 class ReplayError(PowerbatchError):

@@ -49,6 +49,7 @@ from powerbatch.sim.gpu_model import (
     prefill_power_w,
 )
 from powerbatch.telemetry.base import PowerSample
+from powerbatch.telemetry.clock import NvmlClock, snap_lock
 from powerbatch.telemetry.nvml import NvmlPowerLimiter, NvmlPowerSource, nvml_available
 
 SOURCES = "the published figures below (PUBLISHED)"
@@ -904,12 +905,63 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sample-interval-s", type=float, default=0.05)
     p.add_argument("--total-budget-s", type=float, default=360.0, help="stop the sweep by then")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--clock-sweep",
+        default="",
+        help="comma-separated SM clock tops (MHz) to lock, in turn, for decode rows at "
+        "--clock-batches and a prefill row (J/token and step time against the clock; needs "
+        "NVML and root; docs/clock.md). Reset after each, and at exit",
+    )
+    p.add_argument("--clock-batches", default="8,64", help="decode batches of the clock sweep")
     args = p.parse_args(argv)
     for name, (full, tiny) in MODE_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else full)
     args.batches = [int(b) for b in str(args.batches).split(",") if b.strip()]
+    args.clock_sweep = [int(c) for c in str(args.clock_sweep).split(",") if c.strip()]
+    args.clock_batches = [int(b) for b in str(args.clock_batches).split(",") if b.strip()]
     return args
+
+
+def clock_sweep(ctx: Ctx, rows: list[dict[str, Any]], nvml: ModuleType | None) -> dict[str, Any]:
+    """Part 3: lock each top of --clock-sweep through powerbatch's own clock actuator backend
+    (powerbatch.telemetry.clock.NvmlClock: snapped to the supported clocks, a state file while
+    locked), run decode rows and a prefill row there, and reset. What calibrates the
+    simulator's clock model (docs/clock.md)."""
+    args = ctx.args
+    clock = NvmlClock((args.gpu,), state_dir=args.out / "clock-state", nvml=nvml)
+    report: dict[str, Any] = {"tops_mhz": [], "rows": []}
+    try:
+        asyncio.run(clock.start())
+        supported = clock.supported_mhz()
+        report["supported_mhz"] = [supported[0], supported[-1], len(supported)]
+        for top in args.clock_sweep:
+            lo, hi = snap_lock(supported[0], top, supported)
+            t0 = time.perf_counter()
+            asyncio.run(clock.lock(lo, hi))
+            report["tops_mhz"].append({"asked": top, "locked": [lo, hi],
+                                       "lock_s": _r(time.perf_counter() - t0, 4)})  # fmt: skip
+            log(f"clock sweep: SM clock locked to {lo}-{hi} MHz")
+            for batch in args.clock_batches:
+                row = decode_row(ctx, batch, "eager")
+                row.update(name=f"{row['name']}-clk{hi}", clock_mhz=hi)
+                rows.append(row)
+            row = prefill_row(ctx)
+            row.update(name=f"{row['name']}-clk{hi}", clock_mhz=hi)
+            rows.append(row)
+            asyncio.run(clock.restore())
+            if ctx.left_s() < 10:
+                report["note"] = "stopped on the time budget"
+                break
+    except PowerbatchError as exc:
+        report["error"] = _first_line(exc)
+    finally:
+        try:
+            asyncio.run(clock.restore())
+        except PowerbatchError as exc:
+            report["reset_error"] = _first_line(exc)
+        asyncio.run(clock.close())
+    return report
 
 
 def main(argv: Sequence[str] | None = None, *, nvml: ModuleType | None = None) -> int:
@@ -1034,6 +1086,9 @@ def _run(args: argparse.Namespace, started: float, nvml: ModuleType | None) -> i
             write_outputs(args.out, report, meter)
         rows.append(prefill_row(ctx))
         write_outputs(args.out, report, meter)
+        if args.clock_sweep and meter is not None and cuda:
+            report["checks"]["clock_sweep"] = clock_sweep(ctx, rows, nvml)
+            write_outputs(args.out, report, meter)
 
         why_not: str | None = None
         if not cuda:

@@ -17,8 +17,10 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from powerbatch.control.clock import ClockMetrics
 from powerbatch.fleet.member import FleetMetrics
 from powerbatch.proxy.metrics import ProxyMetrics
 
@@ -52,9 +54,11 @@ def _names(families: Any) -> dict[str, str]:
 
 
 def powerbatch_families() -> list[Any]:
-    """Every powerbatch_* family an instance can export: the proxy's, and a fleet member's."""
+    """Every powerbatch_* family an instance can export: the proxy's, a fleet member's, and
+    those of clock control."""
     registry = ProxyMetrics().registry
     FleetMetrics(registry)
+    ClockMetrics(registry)
     return list(registry.collect())
 
 
@@ -273,6 +277,7 @@ def _label_names(family_name: str) -> tuple[str, ...]:
     values = [*vars(metrics).values(), *vars(metrics.shape).values()]
     values += vars(metrics.energy).values()
     values += vars(FleetMetrics()).values()
+    values += vars(ClockMetrics(CollectorRegistry())).values()
     for value in values:
         if getattr(value, "_name", None) in (family_name, family_name.removesuffix("_total")):
             return tuple(value._labelnames)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Coroutine
@@ -33,8 +34,15 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 ARMS = ("none", "hwcap", "static", "admission", "powerbatch")  # the default comparison
-EXTRA_ARMS = ("hwcap-hop",)  # on request: separates the hop's cost from the decisions'
-PROXIED = ("admission", "powerbatch", "hwcap-hop", *SHAPE_ARMS)
+# On request: hwcap-hop separates the hop's cost from the decisions'; the clock arms
+# (docs/clock.md) are the cap plus the best static locked clock found by sweep, and powerbatch
+# with the device limit and the SM clock.
+EXTRA_ARMS = ("hwcap-hop", "hwcap-lock", "powerbatch-clock")
+CLOCK_ARMS = ("hwcap-lock", "powerbatch-clock")
+PROXIED = ("admission", "powerbatch", "hwcap-hop", "powerbatch-clock", *SHAPE_ARMS)
+LIMITED = ("powerbatch", "powerbatch-clock")
+SWEEP_MHZ = (1980, 1635, 1290, 1125, 960, 780)
+"""Tops the static clock sweep tries (the simulator's H100/H200 grid, 15 MHz steps)."""
 DEFAULT_CEILING_W = 600.0
 
 
@@ -79,6 +87,24 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=30.0,
         help="length of each bisection run for --static-batch auto",
     )
+    p.add_argument(
+        "--static-clock-mhz",
+        default="auto",
+        help="top of the hwcap-lock arm's locked clock range, or 'auto': the lowest J/token "
+        "whose goodput holds 0.98x the cap's, by sweep, as an operator would set nvidia-smi -lgc",
+    )
+    p.add_argument(
+        "--cap-by-clock",
+        action="store_true",
+        help="the simulator meets a power limit by lowering the clock (docs/clock.md); the "
+        "clock arms are judged on this physics",
+    )
+    p.add_argument(
+        "--clock-objective",
+        default="energy",
+        choices=("energy", "weighted"),
+        help="the powerbatch-clock arm's clock objective",
+    )
     p.add_argument("--out", type=Path, default=Path("results/bench"))
     p.set_defaults(func=main)
 
@@ -117,6 +143,7 @@ async def run_arm(
     log_dir: Path,
     *,
     static_batch: int = 32,
+    static_clock_mhz: int = 1980,
     during: Callable[[Stack, float], Coroutine[Any, Any, None]] | None = None,
 ) -> RunData:
     """One run of one arm: fresh simulator (and proxy), the seeded load, the traces."""
@@ -128,20 +155,30 @@ async def run_arm(
         "--seed",
         str(a.seed),
     ]
-    if arm in ("hwcap", "hwcap-hop"):
+    if arm in ("hwcap", "hwcap-hop", "hwcap-lock"):
         sim_args += ["--power-limit-w", str(a.ceiling_w)]
+    if getattr(a, "cap_by_clock", False):
+        sim_args.append("--cap-by-clock")
+    if arm == "hwcap-lock":
+        sim_args += ["--lock-clocks-mhz", f"{CLOCK_RANGE_MHZ[0]},{static_clock_mhz}"]
     if arm == "static":
         sim_args += ["--max-num-seqs", str(static_batch)]
     plan = profile.plan(a.duration_s, a.seed)
     extra = SHAPE_ARMS[arm](a) if arm in SHAPE_ARMS else []
     if arm == "hwcap-hop":
         extra = ["--mode", "observe"]
+    if arm == "powerbatch-clock":
+        objective = getattr(a, "clock_objective", "energy")
+        extra = [
+            "--clock-control", "zeusd", "--clock-objective", objective,
+            "--clock-range-mhz", ",".join(map(str, CLOCK_RANGE_MHZ)),
+        ]  # fmt: skip
     async with Stack(
         log_dir / arm,
         sim_args=sim_args,
         proxy_args=proxy_args(a) + extra,
         with_proxy=arm in PROXIED,
-        limiter=arm == "powerbatch",
+        limiter=arm in LIMITED,
         dcgm_interval_s=a.dcgm_interval_s,
     ) as stack:
         t0 = time.monotonic()
@@ -278,6 +315,34 @@ async def search_static_batch(
     return best
 
 
+CLOCK_RANGE_MHZ = (345, 1980)
+"""The simulated H100/H200's supported SM clocks (powerbatch.sim.gpu_model), what the clock
+arms lock within; on a real node NVML reads them."""
+
+
+async def search_static_clock(a: argparse.Namespace, profile: LoadProfile, console: Console) -> int:
+    """The locked top with the fewest J/token whose goodput holds 0.98x the plain cap's, over
+    `SWEEP_MHZ` (the top itself is the cap)."""
+    args = argparse.Namespace(**{**vars(a), "duration_s": a.search_duration_s})
+    log_dir = a.out / "logs" / "clock-sweep"
+    base = summarize(await run_arm("hwcap", args, profile, log_dir), a.ttft_slo_s, a.tpot_slo_s)
+    best, best_j = SWEEP_MHZ[0], base["j_per_token"] or math.inf
+    for mhz in SWEEP_MHZ[1:]:
+        run = await run_arm("hwcap-lock", args, profile, log_dir, static_clock_mhz=mhz)
+        s = summarize(run, a.ttft_slo_s, a.tpot_slo_s)
+        holds = s["goodput_rps"] >= 0.98 * base["goodput_rps"]
+        j = s["j_per_token"] or math.inf
+        console.print(
+            f"    clock sweep: top {mhz} MHz -> {j:.3f} J/token (the cap alone "
+            f"{base['j_per_token'] or math.nan:.3f}), "
+            f"goodput {s['goodput_rps']:.2f} vs {base['goodput_rps']:.2f} "
+            f"({'holds' if holds else 'breaks'})"
+        )
+        if holds and j < best_j:
+            best, best_j = mhz, j
+    return best
+
+
 async def _bench(a: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -299,6 +364,14 @@ async def _bench(a: argparse.Namespace) -> int:
         else:
             static_batch = int(a.static_batch)
         console.print(f"static arm: max-num-seqs {static_batch}")
+    static_clock = SWEEP_MHZ[0]
+    if "hwcap-lock" in arms:
+        if a.static_clock_mhz == "auto":
+            console.print("sweeping the best static locked clock under the cap…")
+            static_clock = await search_static_clock(a, profile, console)
+        else:
+            static_clock = int(a.static_clock_mhz)
+        console.print(f"hwcap-lock arm: SM clock locked to {CLOCK_RANGE_MHZ[0]}-{static_clock} MHz")
     total = len(arms) * a.repeats
     done = 0
     for rep in range(a.repeats):
@@ -309,7 +382,14 @@ async def _bench(a: argparse.Namespace) -> int:
                 f"{a.duration_s:.0f} s of {profile.name} load at seed {a.seed + rep}"
             )
             args = argparse.Namespace(**{**vars(a), "seed": a.seed + rep})
-            run = await run_arm(arm, args, profile, a.out / "logs", static_batch=static_batch)
+            run = await run_arm(
+                arm,
+                args,
+                profile,
+                a.out / "logs",
+                static_batch=static_batch,
+                static_clock_mhz=static_clock,
+            )
             s = summarize(run, a.ttft_slo_s, a.tpot_slo_s)
             s.update(shape_bench.figures(run, a))
             per_arm[arm].append(s)

@@ -34,6 +34,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="both actuators: the device power limit (the simulator's zeusd API) and admission",
     )
     p.add_argument(
+        "--clock",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="a third actuator: the SM clock, locked by the clock law through the simulator's "
+        "zeusd API (--clock-objective energy; docs/clock.md)",
+    )
+    p.add_argument(
         "--live",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -76,6 +83,11 @@ def _view(status: dict[str, Any], sim: dict[str, Any], elapsed_s: float, total_s
     t.add_row("prefill pace", "off" if pace is None else f"{pace:,.0f} tok/s")
     t.add_row("queued (high/normal/low)", " / ".join(str(v) for v in q["queued"].values()))
     t.add_row("GPU running / waiting", f"{sim.get('running', '—')} / {sim.get('waiting', '—')}")
+    clock = status.get("clock") or {}
+    locked = clock.get("locked_mhz")
+    lock_text = "unlocked" if not locked else f"locked {locked[0]}-{locked[1]} MHz"
+    why = (clock.get("law") or {}).get("reason") or ""
+    t.add_row("SM clock", f"{sim.get('sm_clock_mhz', 0):.0f} MHz ({lock_text}) {why}".rstrip())
 
     def s(x: float | None) -> str:
         return "—" if x is None else f"{x:.3f} s"
@@ -123,11 +135,14 @@ async def _demo(a: argparse.Namespace) -> int:
                                 f"{(status['limits']['enforced'] or {}).get('max_requests')}  "
                                 f"in flight {status['queue']['in_flight']}  "
                                 f"queued {sum(status['queue']['queued'].values())}  "
-                                f"binding {status['binding']}"
+                                f"binding {status['binding']}  "
+                                f"SM clock {sim.get('sm_clock_mhz', 0):.0f} MHz"
                             )
                     await asyncio.sleep(0.25)
 
     arm = "powerbatch" if a.limiter else "admission"
+    if a.clock:
+        arm, a.cap_by_clock, a.clock_objective = "powerbatch-clock", True, "energy"
     run = await run_arm(arm, a, profile, a.out / "logs", during=watch)
     s = summarize(run, a.ttft_slo_s, a.tpot_slo_s)
     png = plot_runs(

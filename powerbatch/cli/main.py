@@ -27,6 +27,17 @@ def _sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--kv-capacity-tokens", type=int, default=400_000)
     p.add_argument("--max-num-queued-reqs", type=int, default=None)
     p.add_argument("--power-limit-w", type=float, default=None, help="hardware cap (default TDP)")
+    p.add_argument(
+        "--lock-clocks-mhz",
+        default=None,
+        help="MIN,MAX: start with every GPU's SM clock locked to this range (nvidia-smi -lgc)",
+    )
+    p.add_argument(
+        "--cap-by-clock",
+        action="store_true",
+        help="meet a power limit by lowering the SM clock on the clock model, as locked clocks "
+        "are (default: the profile's reduced cap forms; docs/clock.md)",
+    )
     p.add_argument("--stream-interval-tokens", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
@@ -44,6 +55,14 @@ def _sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
 
 
+def _sim_profile(name: str, cap_by_clock: bool) -> object:
+    from dataclasses import replace
+
+    from powerbatch.sim import PROFILES
+
+    return replace(PROFILES[name], cap_by_clock=True) if cap_by_clock else name
+
+
 def _run_sim(a: argparse.Namespace) -> None:
     from powerbatch.sim import run_sim_server
 
@@ -54,7 +73,7 @@ def _run_sim(a: argparse.Namespace) -> None:
             model_name=a.model_name,
             stream_interval_tokens=a.stream_interval_tokens,
             max_model_len=a.max_model_len,
-            profile=a.profile,
+            profile=_sim_profile(a.profile, a.cap_by_clock),
             max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens,
             kv_capacity_tokens=a.kv_capacity_tokens,
@@ -63,8 +82,19 @@ def _run_sim(a: argparse.Namespace) -> None:
             seed=a.seed,
             zeusd_token=a.zeusd_token,
             dcgm_interval_s=a.dcgm_interval_s,
+            locked_clocks_mhz=_lock_arg(a.lock_clocks_mhz),
         )
     )
+
+
+def _lock_arg(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--lock-clocks-mhz wants MIN,MAX in MHz, got {text!r}") from None
+    return lo, hi
 
 
 def build_parser() -> argparse.ArgumentParser:

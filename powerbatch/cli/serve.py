@@ -170,6 +170,7 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
     if s.proxy.upstream_metrics:
         scraper = UpstreamMetricsScraper(s.proxy.metrics_url)
     member = join(s.fleet, s.proxy.port)  # None without --fleet-budget
+    client = factory.zeusd_client(s.limiter, s.clock)  # one for the limit and the clock
     gov = Governor(
         controller,
         queue,
@@ -178,7 +179,13 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
         upstream_scraper=scraper,
         source_averages=s.power.averages(kind),
         trace=open_trace(s.trace),
-        actuator=factory.make_actuator(s.limiter, s.power.gpu_indices(), dcgm_url=dcgm_url(s)),
+        actuator=factory.make_actuator(
+            s.limiter, s.power.gpu_indices(), dcgm_url=dcgm_url(s), client=client
+        ),
+        sm_clock=factory.make_clock_actuator(
+            s.clock, s.limiter, s.power, dcgm_url=dcgm_url(s), client=client
+        ),
+        clock_policy=s.clock_policy,
         plan=plan_runner(s.shape, controller, lambda: queue_counts(queue)),
         ceiling=member,
         energy=s.energy,

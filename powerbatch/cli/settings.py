@@ -7,18 +7,21 @@ named by `--config` or `POWERBATCH_CONFIG`) and the reference table in docs/oper
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
 from powerbatch.admission.priority import PRIORITIES
 from powerbatch.admission.settings import AdmissionSettings
-from powerbatch.control.config import ControlConfig, ShapeSettings, TraceSettings
+from powerbatch.control.config import ClockPolicy, ControlConfig, ShapeSettings, TraceSettings
 from powerbatch.energy.settings import EnergySettings
 from powerbatch.errors import ConfigError
 from powerbatch.fleet.settings import FleetSettings
 from powerbatch.proxy.settings import ProxySettings
 from powerbatch.settings import Surface, setting
-from powerbatch.telemetry.settings import LimiterSettings, PowerSettings
+from powerbatch.telemetry.settings import ClockSettings, LimiterSettings, PowerSettings
+
+log = logging.getLogger("powerbatch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,8 @@ class ServeSettings:
     shape: ShapeSettings = field(default_factory=ShapeSettings)
     fleet: FleetSettings = field(default_factory=FleetSettings)
     energy: EnergySettings = field(default_factory=EnergySettings)
+    clock: ClockSettings = field(default_factory=ClockSettings)
+    clock_policy: ClockPolicy = field(default_factory=ClockPolicy)
     hardware_backstop: bool = setting(
         False,
         "also set the GPUs' NVML power limit to the ceiling, restored on exit (needs nvml, root)",
@@ -54,6 +59,10 @@ class ServeSettings:
                 "hardware_backstop and power_limiter both set the GPUs' power limit: the "
                 "limiter already holds the ceiling with the device limit; drop the backstop"
             )
+        if self.clock.clock_control == "zeusd" and not self.limiter.zeusd_url:
+            raise ConfigError("clock_control zeusd sets the clock through zeusd: set --zeusd-url")
+        if self.clock.clock_control != "none" and self.clock_policy.clock_objective == "throughput":
+            log.info("clock_control is set but clock_objective is throughput: clocks stay unlocked")
         if self.power.power_source == "zeusd" and not self.limiter.zeusd_url:
             raise ConfigError("power_source zeusd reads zeusd_url: set --zeusd-url")
         unknown = sorted(set(self.control.interactive_classes) - set(PRIORITIES))
@@ -70,7 +79,7 @@ OPERATOR = frozenset((
     "ceiling_w", "margin_w", "mode", "max_batch", "ttft_slo_s", "tpot_slo_s",
     "interactive_classes",
     "power_source", "gpus", "dcgm_url", "replay_trace", "power_limiter", "zeusd_url",
-    "zeusd_token", "hardware_backstop",
+    "zeusd_token", "hardware_backstop", "clock_control", "clock_objective",
     "upstream", "host", "port", "admin_port", "api_keys", "api_keys_file",
     "max_queue_len", "max_wait_s", "valley_fill",
     "ramp_up_w_per_s", "ramp_down_w_per_s", "floor_w",

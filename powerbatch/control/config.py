@@ -269,3 +269,46 @@ class ShapeSettings:
     def active(self) -> bool:
         """Any limit set: the controller has shaping to do."""
         return bool(self.ramp_up or self.ramp_down or self.floor_w is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class ClockPolicy:
+    """SM clock policy: what the clock law optimises (powerbatch.control.laws.clock)"""
+
+    clock_objective: Literal["throughput", "energy", "weighted"] = setting(
+        "throughput",
+        "throughput: never lock the clock (the driver's policy, fastest); energy: the lock with "
+        "the fewest joules per token whose step time keeps the SLOs and the demand; weighted: "
+        "between them by clock_energy_weight",
+    )
+    clock_energy_weight: float = setting(
+        0.5, "weighted objective: 1 is energy alone, 0 throughput alone", ge=0, le=1
+    )
+    clock_levels: int = setting(8, "candidate clock tops tried between the top and the floor", ge=2)
+    clock_floor_frac: float = setting(
+        0.4, "the lowest clock top the law picks, as a share of the highest", gt=0, le=1
+    )
+    clock_tpot_margin: float = setting(
+        0.8, "a lower clock must keep its predicted step time under this share of tpot_slo_s", gt=0
+    )
+    clock_max_slowdown: float = setting(
+        0.15, "a lower clock may lengthen the step by at most this share (the demand)", ge=0
+    )
+    clock_min_gain: float = setting(
+        0.03, "move only for a predicted saving of at least this share of J/token", ge=0, lt=1
+    )
+    clock_explore_every_s: float = setting(
+        10.0, "try a neighbouring clock this often while the SLOs have room, s", gt=0
+    )
+    clock_explore_s: float = setting(3.0, "and stay there this long, s", gt=0)
+    clock_hold_s: float = setting(
+        5.0,
+        "after a prefill burst, a growing queue or an SLO at risk, hold the top this long, s",
+        ge=0,
+    )
+    clock_settle_s: float = setting(
+        1.5, "readings this soon after a clock change are not learned (the 1-s meter), s", ge=0
+    )
+
+    def __post_init__(self) -> None:
+        check_bounds(self)

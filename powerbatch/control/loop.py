@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from powerbatch.control.clock import DeviceClock
+from powerbatch.control.config import ClockPolicy
 from powerbatch.control.controller import Controller
 from powerbatch.control.device import DeviceLimit
 from powerbatch.control.latency import LatencySnapshot
@@ -28,6 +30,7 @@ from powerbatch.control.status import status_document
 from powerbatch.control.types import Decision, Observation, State
 from powerbatch.control.window import FeatureWindow, ReadingAligner
 from powerbatch.estimate import Features
+from powerbatch.telemetry.clock import ClockActuator
 from powerbatch.telemetry.limiter import LimitActuator
 from powerbatch.telemetry.monitor import PowerMonitor, PowerReading
 from powerbatch.telemetry.trace import TraceRow, TraceWriter
@@ -120,6 +123,8 @@ class ControlLoop:
         ceiling: CeilingSource | None = None,
         actuator: LimitActuator | None = None,
         plan: PlanSource | None = None,
+        sm_clock: ClockActuator | None = None,
+        clock_policy: ClockPolicy | None = None,
     ) -> None:
         self.controller = controller
         self.monitor = monitor
@@ -132,6 +137,14 @@ class ControlLoop:
         # The device power limit: a second, fast actuator; None or NoLimiter: admission alone.
         self.device = (
             DeviceLimit(actuator) if actuator and actuator.limiter.controls_device else None
+        )
+        # The SM clock: a third actuator, chosen by the clock law (None: the driver's policy).
+        self.sm_clock = (
+            DeviceClock(
+                sm_clock, clock_policy or ClockPolicy(), controller.config, metrics.registry
+            )
+            if sm_clock is not None and sm_clock.backend.controls_device
+            else None
         )
         self.window_s = window_s
         # A source that already reports a 1-second mean (NVML's power usage on Hopper, dcgm's
@@ -204,6 +217,8 @@ class ControlLoop:
         on the running event loop. A limiter that cannot start leaves admission in charge."""
         if self.device is not None:
             await self.device.start()
+        if self.sm_clock is not None:
+            await self.sm_clock.start()
         await self.monitor.start()
         if not any(not t.done() for t in self._tasks):
             self._tasks = [asyncio.create_task(self.run(), name="powerbatch-control")]
@@ -222,6 +237,8 @@ class ControlLoop:
         self._tasks = []
         await self.monitor.stop()
         self.record.close()
+        if self.sm_clock is not None:
+            await self.sm_clock.stop()
         if self.device is not None:
             await self.device.stop()
 
@@ -260,6 +277,8 @@ class ControlLoop:
                 part.fail_safe()
             except Exception:
                 log.exception("%r failed to go safe", part)
+        if self.sm_clock is not None:
+            self.sm_clock.fail_safe()
 
     # -- one tick -----------------------------------------------------------------------------
 
@@ -302,6 +321,8 @@ class ControlLoop:
             observer.observe(obs, d)
         if self.device is not None:
             self.device.request(d.power_limit_w)
+        if self.sm_clock is not None:
+            self.sm_clock.tick(obs, t_s)
         self._sample, self._latency, self._tick_error = host, latency, None
         if t_s - self._model_at >= 1.0:  # for /status, off its request path
             self._model_at = t_s
@@ -384,5 +405,6 @@ class ControlLoop:
             tick_error=self._tick_error,
             model=self._model,
             power_limit=self.device.status() if self.device is not None else None,
-            sections=[s.status_extra() for s in sections],
+            sections=[s.status_extra() for s in sections]
+            + ([{"clock": self.sm_clock.status()}] if self.sm_clock is not None else []),
         )

@@ -23,6 +23,7 @@ from powerbatch.control import (
     LatencySnapshot,
     LatencyWindow,
 )
+from powerbatch.control.config import ClockPolicy
 from powerbatch.control.controller import Controller
 from powerbatch.control.loop import CeilingSource, ControlLoop, HostSample, LimitsSink, PlanSource
 from powerbatch.control.record import TickRecord
@@ -31,6 +32,7 @@ from powerbatch.energy.settings import EnergySettings
 from powerbatch.proxy.metrics import ProxyMetrics
 from powerbatch.shape.tracker import ShapeTracker
 from powerbatch.telemetry import PowerMonitor, UpstreamMetricsScraper, UpstreamSignals
+from powerbatch.telemetry.clock import ClockActuator
 from powerbatch.telemetry.limiter import LimitActuator
 from powerbatch.telemetry.trace import TraceRow, TraceWriter
 
@@ -153,6 +155,8 @@ class Governor:
         ceiling: CeilingSource | None = None,
         plan: PlanSource | None = None,
         energy: EnergySettings | None = None,
+        sm_clock: ClockActuator | None = None,
+        clock_policy: ClockPolicy | None = None,
     ) -> None:
         self.controller = controller
         self.queue = queue
@@ -179,6 +183,8 @@ class Governor:
             actuator=actuator,
             ceiling=ceiling,
             plan=plan,
+            sm_clock=sm_clock,
+            clock_policy=clock_policy,
         )
         self._scrape_task: asyncio.Task[None] | None = None
 

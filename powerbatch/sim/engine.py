@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from powerbatch.errors import ConfigError, PowerbatchError, PowerLimitError
+from powerbatch.errors import ClockError, ConfigError, PowerbatchError, PowerLimitError
 from powerbatch.sim.gpu_model import (
     DEFAULT_KV_CAPACITY_TOKENS,
     DEFAULT_PROFILE,
@@ -30,7 +30,8 @@ from powerbatch.sim.gpu_model import (
     mean_noise_factor,
     noisy_readings_w,
     ou_noise_step_w,
-    step_time_s,
+    step_at_clock,
+    supported_clocks_mhz,
 )
 
 _log = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class StepRecord:
     """Cumulative energy at the end of this entry."""
     power_limit_w: float = math.inf
     """The total power limit the step ran under (the set's limit as the throttle sees it)."""
+    sm_clock_mhz: float = math.nan
+    """The SM clock the step ran at (the locked top, or lower where the limit bound it)."""
 
 
 class SimRequest:
@@ -208,6 +211,10 @@ class SimEngine:
         self._gpu_limits_w = [self.profile.tdp_w_per_gpu] * self.profile.num_gpus
         if self.profile.gpu_power_shares:  # the hottest GPU meets its board limit first
             self._power_limit_w = self.profile.set_limit_w(self._gpu_limits_w)
+        # Per GPU (min, max) locked SM clock, MHz; None: the driver's default policy (unlocked).
+        self._locked_mhz: list[tuple[int, int] | None] = [None] * self.profile.num_gpus
+        self._sm_clock_mhz = float(self.profile.sm_clock_min_mhz)  # now: idle
+        self.clock_changes_total = 0
         self._noise_w = [0.0] * self.profile.num_gpus  # OU state, where noise_tau_s > 0
         self._noise_t_s: float | None = None
         if power_limit_w is not None:
@@ -289,6 +296,51 @@ class SimEngine:
             )
         self._gpu_limits_w[gpu] = float(value)
         self._power_limit_w = self.profile.set_limit_w(self._gpu_limits_w)
+
+    # ---- the SM clock --------------------------------------------------------------------
+
+    def supported_clocks_mhz(self) -> list[int]:
+        """SM clocks one GPU accepts, highest first (nvmlDeviceGetSupportedGraphicsClocks)."""
+        return supported_clocks_mhz(self.profile)
+
+    @property
+    def gpu_locked_clocks_mhz(self) -> list[tuple[int, int] | None]:
+        return list(self._locked_mhz)
+
+    def set_gpu_locked_clocks(self, gpu: int, min_mhz: int, max_mhz: int) -> None:
+        """Lock one GPU's SM clock to [min, max] (nvmlDeviceSetGpuLockedClocks). Modelling
+        choice: values outside the supported range, or min over max, are refused with
+        INVALID_ARGUMENT (NVML's reference does not say; refusing is the strict reading). A
+        busy GPU runs at the top of its range; the set steps in lockstep at the lowest top."""
+        p = self.profile
+        if not 0 <= gpu < p.num_gpus:
+            raise ClockError(f"GPU index {gpu} does not exist")
+        lo, hi = p.sm_clock_min_mhz, p.sm_clock_max_mhz
+        if not (lo <= min_mhz <= max_mhz <= hi):
+            raise ClockError(
+                f"GPU {gpu}: locked clocks must satisfy {lo} <= min <= max <= {hi} MHz, "
+                f"got {min_mhz}..{max_mhz}"
+            )
+        self._locked_mhz[gpu] = (int(min_mhz), int(max_mhz))
+        self.clock_changes_total += 1
+
+    def reset_gpu_locked_clocks(self, gpu: int) -> None:
+        """Back to the driver's default policy (nvmlDeviceResetGpuLockedClocks)."""
+        if not 0 <= gpu < self.profile.num_gpus:
+            raise ClockError(f"GPU index {gpu} does not exist")
+        if self._locked_mhz[gpu] is not None:
+            self.clock_changes_total += 1
+        self._locked_mhz[gpu] = None
+
+    def locked_top_mhz(self) -> float | None:
+        """The clock the set runs busy steps at under its locks; None: unlocked."""
+        tops = [lock[1] for lock in self._locked_mhz if lock is not None]
+        return float(min(tops)) if tops else None
+
+    def sm_clock_mhz(self) -> float:
+        """The SM clock now (DCGM_FI_DEV_SM_CLOCK): the step's, or idle's (the lowest clock,
+        or the bottom of a locked range)."""
+        return self._sm_clock_mhz
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -438,6 +490,10 @@ class SimEngine:
             "gpu_power_limits_w": ",".join(f"{w:g}" for w in self._gpu_limits_w),
             "power_w": self._seg_power_w,
             "power_avg_w": self.average_power_w(),
+            "sm_clock_mhz": self._sm_clock_mhz,
+            "gpu_locked_clocks_mhz": ",".join(
+                "unlocked" if lock is None else f"{lock[0]}-{lock[1]}" for lock in self._locked_mhz
+            ),
             "energy_j": self.energy_j(),
             "running": self.num_running,
             "waiting": self.num_waiting,
@@ -470,12 +526,19 @@ class SimEngine:
             return
         t0 = self._clock_s
         e1 = self._energy_j + self._seg_power_w * (t1 - t0)
-        rec = StepRecord(t0, t1 - t0, self._seg_power_w, 0, 0, 0, 0, 0, e1, self._power_limit_w)
+        rec = StepRecord(
+            t0, t1 - t0, self._seg_power_w, 0, 0, 0, 0, 0, e1, self._power_limit_w,
+            self._sm_clock_mhz,
+        )  # fmt: skip
         self._close_segment(t1, rec)
 
     def _open_idle(self) -> None:
         self._seg_t1 = None
         self._seg_power_w = self.profile.idle_w
+        # Modelling choice: idle power is the unlocked idle's; a GPU idles at its lowest clock,
+        # or at the bottom of its locked range.
+        bottoms = [lock[0] for lock in self._locked_mhz if lock is not None]
+        self._sm_clock_mhz = float(max(bottoms, default=self.profile.sm_clock_min_mhz))
 
     # ---- scheduling ----------------------------------------------------------------------
 
@@ -568,16 +631,19 @@ class SimEngine:
     def _plan(self, t0: float) -> tuple[list[tuple[SimRequest, int]], StepRecord]:
         """Schedule a step starting at `t0` and open its energy segment; return (work, record)."""
         scheduled, prefill, decode = self._schedule()
-        step_s, power_w = step_time_s(
+        st = step_at_clock(
             self.profile,
             decode,
             prefill,
             self.kv_tokens,
             self._power_limit_w,
             kv_capacity_tokens=self.kv_capacity_tokens,
+            sm_clock_mhz=self.locked_top_mhz(),
         )
+        step_s, power_w = st.step_s, st.power_w
         self._seg_t1 = t0 + step_s
         self._seg_power_w = power_w
+        self._sm_clock_mhz = st.sm_clock_mhz
         rec = StepRecord(
             t0,
             step_s,
@@ -589,6 +655,7 @@ class SimEngine:
             decode,
             self._energy_j + power_w * step_s,
             self._power_limit_w,
+            st.sm_clock_mhz,
         )
         return scheduled, rec
 

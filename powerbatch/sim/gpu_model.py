@@ -8,7 +8,18 @@ Every number here is calibrated to published figures, cited where used:
 * [IPC] "Illusion of Power Capping in LLM Decode" (arXiv 2605.11999);
 * [Dynamo] NVIDIA Dynamo's power-planner design notes (ai-dynamo/dynamo,
   docs/design-docs/power-planner.md);
-* [NVML] NVIDIA's NVML API reference (power readings, limits, field values).
+* [NVML] NVIDIA's NVML API reference (power readings, limits, field values, clocks);
+* [Voltana] VoltanaLLM (arXiv 2509.04827): prefill and decode at separate SM frequencies on A100;
+  energy against clock is U-shaped, and 1410 -> 1005 MHz lengthens decode steps sub-linearly;
+* [Char] "Characterizing LLM Inference Energy-Performance Tradeoffs across Workloads and GPU
+  Scaling" (arXiv 2501.08219): decode largely insensitive to the SM clock, prefill ~ 1/f;
+* [throttLL'eM] (arXiv 2408.05235) and [DynamoLLM] (arXiv 2408.00741): the SM frequency as an
+  energy knob for serving, with SLOs met.
+
+The SM clock (docs/clock.md) is an addition to the fitted curves, a no-op at the top clock: each
+part of a step has a roofline split into memory time and SM time (`clocked_part`), SM power
+follows f x V(f)^2 with V flat under a knee, and a power limit is met by the driver lowering the
+clock (`step_at_clock`).
 
 Where the sources are silent, the docstring that makes a choice names it a modelling choice.
 Curves use the logistic form of the [G2G] fits:
@@ -27,9 +38,12 @@ __all__ = [
     "DEFAULT_KV_CAPACITY_TOKENS",
     "DEFAULT_PROFILE",
     "PROFILES",
+    "ClockedStep",
     "GpuProfile",
     "SteadyState",
+    "clocked_part",
     "decode_power_w",
+    "decode_sm_share",
     "decode_step_s",
     "idle_power_w",
     "logistic",
@@ -39,7 +53,10 @@ __all__ = [
     "prefill_power_w",
     "prefill_step_s",
     "steady_state",
+    "step_at_clock",
     "step_time_s",
+    "supported_clocks_mhz",
+    "voltage_frac",
 ]
 
 DEFAULT_PROFILE = "h100-llama8b"
@@ -121,6 +138,40 @@ class GpuProfile:
     gpu_power_shares: tuple[float, ...] = ()
     """Each GPU's share of the set's power (summing to 1); empty: an even split. Uneven shares
     model imbalance across a tensor-parallel set: the hottest GPU meets its limit first."""
+
+    # The SM clock (docs/clock.md). Flat fields, so a profile still round-trips through JSON.
+    sm_clock_max_mhz: int = 1980
+    """H100 and H200 SXM maximum boost clock, 1980 MHz (NVIDIA datasheets); the clock the
+    fitted curves were measured at (unlocked, boosting)."""
+    sm_clock_min_mhz: int = 345
+    sm_clock_step_mhz: int = 15
+    """Graphics clocks are set on a grid, 15 MHz steps on H100 (`nvidia-smi -q -d
+    SUPPORTED_CLOCKS`); the bottom of the grid is a modelling choice, a real list comes from
+    nvmlDeviceGetSupportedGraphicsClocks."""
+    voltage_knee_frac: float = 0.6
+    voltage_floor_frac: float = 0.65
+    """Core voltage falls linearly with the clock from the top down to the knee (this share of
+    the top clock), then stays at the floor (this share of the top voltage): dynamic power goes
+    as f x V^2, so it falls faster than linearly above the knee and linearly below it. Knee and
+    floor are modelling choices (no source gives Hopper's V/f table)."""
+    clock_power_frac: float = 0.6
+    """Of the dynamic power not spent on arithmetic (memory-bound stretches, stalled warps,
+    the clock tree), the share that follows the SM clock as f x V^2; the rest is memory traffic,
+    a fixed energy per byte. Modelling choice, set so that the decode-light plant saves about
+    30 % of decode energy at its best locked clock ([IPC]: up to 32 %)."""
+    mem_issue_clock_frac: float = 0.45
+    """Below this share of the top clock the SMs cannot issue memory requests fast enough to
+    keep HBM busy, and memory-bound time grows as 1/f too: the left arm of [Voltana]'s U. Near
+    0, decode stays flat down to the lowest clock, as [Char] measured on Blackwell (the sources
+    disagree: docs/clock.md). Modelling choice."""
+    cap_by_clock: bool = False
+    """How a power limit slows work. False (the named profiles): the reduced forms of
+    `step_at_clock` (prefill by P/limit, decode by (P/limit) ** `decode_cap_exponent`). True:
+    the driver lowers each part's clock until its power on the clock model fits, so a cap and
+    a locked clock are judged by the same physics (the clock benches use this)."""
+    roofline_p: float = 2.0
+    """Memory and SM time of a part combine as a p-norm: 1 adds them (no overlap), a large p
+    is the roofline's max (full overlap). Modelling choice: kernels overlap partly."""
 
     @property
     def tdp_w(self) -> float:
@@ -225,6 +276,193 @@ def prefill_step_s(profile: GpuProfile, prefill_tokens: int) -> float:
     return max(prefill_tokens, 0) / profile.prefill_tok_s
 
 
+def supported_clocks_mhz(profile: GpuProfile) -> list[int]:
+    """The SM clocks the device accepts, highest first, as nvmlDeviceGetSupportedGraphicsClocks
+    lists them."""
+    top, bottom, step = (
+        profile.sm_clock_max_mhz,
+        profile.sm_clock_min_mhz,
+        profile.sm_clock_step_mhz,
+    )
+    return list(range(top, bottom - 1, -step))
+
+
+def voltage_frac(profile: GpuProfile, sm_clock_mhz: float) -> float:
+    """Core voltage at a clock over the voltage at the top clock (see `voltage_floor_frac`)."""
+    top = profile.sm_clock_max_mhz
+    knee = profile.voltage_knee_frac * top
+    floor = profile.voltage_floor_frac
+    x = min(max((sm_clock_mhz - knee) / (top - knee), 0.0), 1.0)
+    return floor + (1.0 - floor) * x
+
+
+def _part_time_s(profile: GpuProfile, t_mem_s: float, t_sm_s: float, f_rel: float) -> float:
+    """A part's time at clock f_rel (share of the top clock), from its memory and SM time at the
+    top: SM time goes as 1/f, memory time as 1/f only under `mem_issue_clock_frac`."""
+    p = profile.roofline_p
+    t_mem = t_mem_s * max(1.0, profile.mem_issue_clock_frac / f_rel)
+    t_sm = t_sm_s / f_rel
+    return float((t_mem**p + t_sm**p) ** (1.0 / p))
+
+
+def clocked_part(
+    profile: GpuProfile, t0_s: float, p0_w: float, sm_share: float, sm_clock_mhz: float
+) -> tuple[float, float]:
+    """(time, power) of one part of a step at an SM clock, from its (time, power) at the top
+    clock and the share of its time the SMs would need alone (`sm_share`, the roofline split).
+
+    Energy at clock f: idle power x T(f), plus memory traffic (a fixed energy), plus arithmetic
+    (a fixed count of operations at V(f)^2 each), plus clock-driven power (f x V(f)^2, the whole
+    time). At the top clock every term is at its measured value, so the fits stay exact.
+    """
+    f_rel = min(max(sm_clock_mhz / profile.sm_clock_max_mhz, 1e-3), 1.0)
+    s = min(max(sm_share, 0.0), 1.0)
+    p = profile.roofline_p
+    t_sm0 = s * t0_s
+    t_mem0 = t0_s * max(1.0 - s**p, 0.0) ** (1.0 / p)
+    t_s = _part_time_s(profile, t_mem0, t_sm0, f_rel)
+    v2 = voltage_frac(profile, sm_clock_mhz) ** 2
+    idle_w = min(profile.idle_w, p0_w)
+    dyn_w = p0_w - idle_w
+    q_sm = s
+    q_clk = profile.clock_power_frac * (1.0 - s)
+    q_mem = 1.0 - q_sm - q_clk
+    energy_j = idle_w * t_s + dyn_w * t0_s * (q_mem + q_sm * v2) + dyn_w * q_clk * t_s * f_rel * v2
+    return t_s, energy_j / t_s
+
+
+def _clock_for_time(
+    profile: GpuProfile, t_mem0: float, t_sm0: float, f_hi: float, target_s: float
+) -> float:
+    """The clock (share of the top) at or under `f_hi` whose part time is `target_s`."""
+    lo, hi = 1e-3, f_hi
+    if _part_time_s(profile, t_mem0, t_sm0, hi) >= target_s:
+        return hi
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        if _part_time_s(profile, t_mem0, t_sm0, mid) > target_s:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def _driver_clock(
+    profile: GpuProfile, t0_s: float, p0_w: float, sm_share: float, f_mhz: float, limit_w: float
+) -> tuple[float, float, float]:
+    """(clock share, time, power) of a part whose power at `f_mhz` is over the limit: the
+    highest clock under `f_mhz` whose power fits (power rises with the clock: bisection). Where
+    even the lowest clock draws more, it runs there, clamped to the limit and slowed in
+    proportion (the driver has nothing left but to stall)."""
+    lo = float(profile.sm_clock_min_mhz)
+    t_lo, p_lo = clocked_part(profile, t0_s, p0_w, sm_share, lo)
+    top = profile.sm_clock_max_mhz
+    if p_lo > limit_w:
+        return lo / top, t_lo * p_lo / limit_w, limit_w
+    hi = f_mhz
+    for _ in range(30):
+        mid = 0.5 * (lo + hi)
+        if clocked_part(profile, t0_s, p0_w, sm_share, mid)[1] > limit_w:
+            hi = mid
+        else:
+            lo = mid
+    t_s, p_w = clocked_part(profile, t0_s, p0_w, sm_share, lo)
+    return lo / top, t_s, p_w
+
+
+@dataclass(frozen=True, slots=True)
+class ClockedStep:
+    step_s: float
+    power_w: float
+    sm_clock_mhz: float
+    """The clock the step ran at: the top of the locked range, or lower where the driver met the
+    power limit (time-weighted over the step's parts)."""
+
+
+def decode_sm_share(profile: GpuProfile, batch: int) -> float:
+    """The share of a decode step the SMs would need alone at the top clock: the batch's tokens
+    at the compute-bound prefill rate, over the fitted step time. Small at small batch
+    (memory-bound decode, [IPC]), rising with batch (modelling choice: the SM rate of a decode
+    token is the prefill rate)."""
+    t = decode_step_s(profile, batch)
+    return min(batch / profile.prefill_tok_s / t, 1.0) if t > 0 else 0.0
+
+
+def step_at_clock(
+    profile: GpuProfile,
+    batch: int,
+    prefill_tokens: int,
+    kv_tokens: int = 0,
+    power_limit_w: float | None = None,
+    *,
+    kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
+    sm_clock_mhz: float | None = None,
+) -> ClockedStep:
+    """One engine step with `batch` decodes and `prefill_tokens` of prefill, at a locked SM clock
+    (`sm_clock_mhz`, the top of the locked range; None or the top clock: unlocked).
+
+    Modelling choice: the two parts run back to back, so time adds and power is their
+    time-weighted mean. A locked clock moves each part along its roofline (`clocked_part`).
+    Under a power limit each part is then clamped to the limit and slowed: the driver lowers
+    the clock until the power fits, which costs prefill time by P_pre/limit (compute-bound;
+    [Dynamo]: 30% less power costs ~30% throughput) and decode time by
+    (P_dec/limit) ** `decode_cap_exponent` (memory-bound decode is far less clock-sensitive,
+    [IPC]; the default square root is our choice). These reduced forms keep the named profiles'
+    capped behaviour; the clock reported is the one that gives the throttled step its time on
+    the roofline. A step with no work draws idle.
+    """
+    limit = profile.tdp_w if power_limit_w is None else power_limit_w
+    top = float(profile.sm_clock_max_mhz)
+    f = top if sm_clock_mhz is None else min(max(float(sm_clock_mhz), 1.0), top)
+    t_dec = decode_step_s(profile, batch)
+    t_pre = prefill_step_s(profile, prefill_tokens)
+    if t_dec <= 0.0 and t_pre <= 0.0:
+        return ClockedStep(0.0, profile.idle_w, float(profile.sm_clock_min_mhz))
+    p_dec = decode_power_w(profile, batch, kv_tokens, kv_capacity_tokens) if t_dec > 0 else 0.0
+    p_pre = prefill_power_w(profile)
+    s_dec = decode_sm_share(profile, batch)
+    if f < top:
+        if t_dec > 0.0:
+            t_dec, p_dec = clocked_part(profile, t_dec, p_dec, s_dec, f)
+        if t_pre > 0.0:
+            t_pre, p_pre = clocked_part(profile, t_pre, p_pre, 1.0, f)
+    f_dec = f_pre = f / top
+    if profile.cap_by_clock:
+        t0_dec, p0_dec = (
+            decode_step_s(profile, batch),
+            decode_power_w(profile, batch, kv_tokens, kv_capacity_tokens),
+        )
+        if t_dec > 0.0 and p_dec > limit:
+            f_dec, t_dec, p_dec = _driver_clock(profile, t0_dec, p0_dec, s_dec, f, limit)
+        t0_pre = prefill_step_s(profile, prefill_tokens)
+        if t_pre > 0.0 and p_pre > limit:
+            f_pre, t_pre, p_pre = _driver_clock(
+                profile, t0_pre, prefill_power_w(profile), 1.0, f, limit
+            )
+    else:
+        if p_dec > limit:
+            t_free = t_dec
+            if profile.decode_cap_exponent == 0.5:
+                t_dec *= math.sqrt(p_dec / limit)
+            else:
+                t_dec *= (p_dec / limit) ** profile.decode_cap_exponent
+            p_dec = limit
+            p = profile.roofline_p
+            t0 = decode_step_s(profile, batch)
+            t_mem0 = t0 * max(1.0 - s_dec**p, 0.0) ** (1.0 / p)
+            if t_dec > t_free:
+                f_dec = _clock_for_time(profile, t_mem0, s_dec * t0, f / top, t_dec)
+        if t_pre > 0.0 and p_pre > limit:
+            f_pre *= limit / p_pre
+            t_pre *= p_pre / limit
+            p_pre = limit
+    step_s = t_dec + t_pre
+    # Power cannot be capped below idle: the limit slows work, it does not cut static draw.
+    power_w = max((p_dec * t_dec + p_pre * t_pre) / step_s, min(profile.idle_w, limit))
+    clock = top * (f_dec * t_dec + f_pre * t_pre) / step_s
+    return ClockedStep(step_s, power_w, clock)
+
+
 def step_time_s(
     profile: GpuProfile,
     batch: int,
@@ -233,35 +471,19 @@ def step_time_s(
     power_limit_w: float | None = None,
     *,
     kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
+    sm_clock_mhz: float | None = None,
 ) -> tuple[float, float]:
-    """(step_s, power_w) of one engine step with `batch` decodes and `prefill_tokens` of prefill.
-
-    Modelling choice: the two parts run back to back, so time adds and power is their
-    time-weighted mean. Under a power limit each part is clamped to the limit and slowed: prefill
-    time by P_pre/limit (compute-bound; [Dynamo]: 30% less power costs ~30% throughput),
-    decode time by (P_dec/limit) ** `decode_cap_exponent` (memory-bound decode is far less
-    clock-sensitive, [IPC]; the default square root is our choice). A step with no work draws idle.
-    """
-    limit = profile.tdp_w if power_limit_w is None else power_limit_w
-    t_dec = decode_step_s(profile, batch)
-    t_pre = prefill_step_s(profile, prefill_tokens)
-    if t_dec <= 0.0 and t_pre <= 0.0:
-        return 0.0, profile.idle_w
-    p_dec = decode_power_w(profile, batch, kv_tokens, kv_capacity_tokens) if t_dec > 0 else 0.0
-    p_pre = prefill_power_w(profile)
-    if p_dec > limit:
-        if profile.decode_cap_exponent == 0.5:
-            t_dec *= math.sqrt(p_dec / limit)
-        else:
-            t_dec *= (p_dec / limit) ** profile.decode_cap_exponent
-        p_dec = limit
-    if t_pre > 0.0 and p_pre > limit:
-        t_pre *= p_pre / limit
-        p_pre = limit
-    step_s = t_dec + t_pre
-    # Power cannot be capped below idle: the limit slows work, it does not cut static draw.
-    power_w = max((p_dec * t_dec + p_pre * t_pre) / step_s, min(profile.idle_w, limit))
-    return step_s, power_w
+    """(step_s, power_w) of one engine step: `step_at_clock` without the clock."""
+    st = step_at_clock(
+        profile,
+        batch,
+        prefill_tokens,
+        kv_tokens,
+        power_limit_w,
+        kv_capacity_tokens=kv_capacity_tokens,
+        sm_clock_mhz=sm_clock_mhz,
+    )
+    return st.step_s, st.power_w
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,6 +502,7 @@ def steady_state(
     kv_tokens: int = 0,
     power_limit_w: float | None = None,
     kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
+    sm_clock_mhz: float | None = None,
 ) -> SteadyState:
     """Repeat one step shape forever: what a calibration check compares with [G2G]'s table."""
     step_s, power_w = step_time_s(
@@ -289,6 +512,7 @@ def steady_state(
         kv_tokens,
         power_limit_w,
         kv_capacity_tokens=kv_capacity_tokens,
+        sm_clock_mhz=sm_clock_mhz,
     )
     tok_s = batch / step_s if step_s > 0 and batch > 0 else 0.0
     return SteadyState(

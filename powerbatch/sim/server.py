@@ -630,7 +630,12 @@ class _SimCollector(Collector):
             power.add_metric(lab, avg_w[i])
             power_instant.add_metric(lab, instant[i])
             energy.add_metric(lab, energy_mj[i])
-        return [power, power_instant, energy, _power_limit_metric(e, gpu_labels, per_gpu)]
+        clock = GaugeMetricFamily(
+            "DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz).", labels=gpu_labels
+        )
+        for lab in per_gpu:  # the set steps in lockstep: one clock for all
+            clock.add_metric(lab, e.sm_clock_mhz())
+        return [power, power_instant, energy, _power_limit_metric(e, gpu_labels, per_gpu), clock]
 
 
 def _power_limit_metric(
@@ -746,10 +751,15 @@ async def run_sim_server(
     zeusd_token: str | None = None,
     dcgm_interval_s: float = 0.0,
     dcgm_lag_s: float = 0.0,
+    locked_clocks_mhz: tuple[int, int] | None = None,
     **engine_kwargs: Any,
 ) -> None:
-    """Build an engine from `engine_kwargs` (see SimEngine) and serve until cancelled."""
+    """Build an engine from `engine_kwargs` (see SimEngine) and serve until cancelled;
+    `locked_clocks_mhz` locks every GPU's SM clock first, as `nvidia-smi -lgc` would."""
     engine = SimEngine(**engine_kwargs)
+    if locked_clocks_mhz is not None:
+        for gpu in range(engine.profile.num_gpus):
+            engine.set_gpu_locked_clocks(gpu, *locked_clocks_mhz)
     server = await start_sim_server(
         engine,
         host,

@@ -10,6 +10,15 @@ powerbatch's zeusd client, or Zeus's own, can be pointed at `powerbatch sim` as 
     GET  /gpu/get_power                         instant power per GPU
     GET  /gpu/get_cumulative_energy
     GET  /gpu/stream_power                      SSE, one event per GPU sample
+    POST /gpu/set_gpu_locked_clocks             gpu_ids, min_clock_mhz, max_clock_mhz, block
+    POST /gpu/reset_gpu_locked_clocks           gpu_ids, block
+    POST /gpu/reset_locked_clocks               gpu_ids, block (all clock domains)
+
+The clock routes follow zeusd/src/routes/gpu.rs to the letter: every field is required and none
+other is allowed (serde's deny_unknown_fields), so a missing or malformed one is a 400 with
+actix's plain-text "Query deserialize error: ..."; a bad `gpu_ids` list is a 400
+`{"error": ...}` (routes/mod.rs parse_device_ids); an unknown GPU a 400 plain-text "GPU index N
+does not exist."; a refused lock (block=true) `{"errors": {"<id>": "NVML error: ..."}}`.
 
 Per-GPU limits are checked against the constraints as NVML checks them (a value outside is a 400
 with zeusd's `{"errors": {"<id>": "<message>"}}`). A change takes effect `apply_delay_s` (100 ms)
@@ -29,7 +38,7 @@ from typing import Any
 
 from aiohttp import web
 
-from powerbatch.errors import PowerLimitError
+from powerbatch.errors import ClockError, PowerLimitError
 from powerbatch.sim.engine import SimEngine
 
 __all__ = ["DEFAULT_APPLY_DELAY_S", "add_zeusd_routes", "sim_gpu_pci_bus_id", "sim_gpu_uuid"]
@@ -53,6 +62,11 @@ def sim_gpu_pci_bus_id(gpu: int) -> str:
 def _bad(message: str, status: int = 400) -> web.HTTPException:
     cls = {400: web.HTTPBadRequest, 401: web.HTTPUnauthorized}[status]
     return cls(text=json.dumps({"error": message}), content_type="application/json")
+
+
+def _text_400(message: str) -> web.HTTPException:
+    """actix-web's default error answer: the error's text, plain."""
+    return web.HTTPBadRequest(text=message, content_type="text/plain")
 
 
 def _now_ms() -> int:
@@ -172,6 +186,89 @@ class _ZeusdApi:
             return web.json_response({"errors": errors}, status=400)
         return web.Response(status=200)
 
+    def _strict_query(self, request: web.Request, names: tuple[str, ...]) -> dict[str, str]:
+        """zeusd's write query: every field required, no other allowed; actix's plain-text 400
+        (its QueryPayloadError) otherwise."""
+        for key in request.query:
+            if key not in names:
+                expected = ", ".join(f"`{n}`" for n in names)
+                raise _text_400(
+                    f"Query deserialize error: unknown field `{key}`, expected one of {expected}"
+                )
+        for name in names:
+            if name not in request.query:
+                raise _text_400(f"Query deserialize error: missing field `{name}`")
+        q = {name: request.query[name] for name in names}
+        if q["block"] not in ("true", "false"):
+            raise _text_400("Query deserialize error: provided string was not `true` or `false`")
+        for name in names:
+            if name.endswith("_mhz") and not (q[name].isdigit() and int(q[name]) < 2**32):
+                raise _text_400("Query deserialize error: invalid digit found in string")
+        return q
+
+    def _write_ids(self, raw: str) -> list[int]:
+        """routes/mod.rs parse_device_ids, then gpu.rs's range check."""
+        if not raw.strip():
+            raise _bad("gpu_ids must contain at least one GPU index")
+        ids: list[int] = []
+        for part in raw.split(","):
+            part = part.strip()
+            if not part:
+                raise _bad("gpu_ids contains an empty GPU index")
+            if not part.isdigit():
+                raise _bad(f"Invalid GPU index: {part}")
+            ids.append(int(part))
+        ids = sorted(set(ids))
+        for i in ids:
+            if i >= self.n:
+                raise _text_400(f"GPU index {i} does not exist.")
+        return ids
+
+    def _clock_apply(self, ids: list[int], lock: tuple[int, int] | None) -> dict[str, str]:
+        errors: dict[str, str] = {}
+        for i in ids:
+            try:
+                if lock is None:
+                    self.engine.reset_gpu_locked_clocks(i)
+                else:
+                    self.engine.set_gpu_locked_clocks(i, *lock)
+            except ClockError as exc:
+                errors[str(i)] = f"NVML error: the argument is invalid ({exc})"
+        if len(errors) < len(ids):
+            what = "unlocked" if lock is None else f"locked to {lock[0]}-{lock[1]} MHz"
+            _log.info("zeusd: GPUs %s SM clocks %s", ids, what)
+        return errors
+
+    async def _clock_write(
+        self, ids: list[int], lock: tuple[int, int] | None, block: bool
+    ) -> web.StreamResponse:
+        if not block:  # dispatched; a failure is only logged, as zeusd's is
+            task = asyncio.get_running_loop().create_task(self._clock_later(ids, lock))
+            self.pending.add(task)
+            task.add_done_callback(self.pending.discard)
+            return web.Response(status=200)
+        await asyncio.sleep(self.apply_delay_s)
+        errors = self._clock_apply(ids, lock)
+        if errors:
+            return web.json_response({"errors": errors}, status=400)
+        return web.Response(status=200)
+
+    async def _clock_later(self, ids: list[int], lock: tuple[int, int] | None) -> None:
+        await asyncio.sleep(self.apply_delay_s)
+        errors = self._clock_apply(ids, lock)
+        if errors:
+            _log.warning("zeusd: non-blocking clock change failed: %s", errors)
+
+    async def set_gpu_locked_clocks(self, request: web.Request) -> web.StreamResponse:
+        q = self._strict_query(request, ("gpu_ids", "min_clock_mhz", "max_clock_mhz", "block"))
+        ids = self._write_ids(q["gpu_ids"])
+        lock = (int(q["min_clock_mhz"]), int(q["max_clock_mhz"]))
+        return await self._clock_write(ids, lock, q["block"] == "true")
+
+    async def reset_gpu_locked_clocks(self, request: web.Request) -> web.StreamResponse:
+        q = self._strict_query(request, ("gpu_ids", "block"))
+        return await self._clock_write(self._write_ids(q["gpu_ids"]), None, q["block"] == "true")
+
     async def _later(self, ids: list[int], limit_w: float) -> None:
         await asyncio.sleep(self.apply_delay_s)
         errors = self._apply(ids, limit_w)
@@ -240,6 +337,10 @@ def add_zeusd_routes(
         ("GET", "/gpu/get_power", api.get_power),
         ("GET", "/gpu/get_cumulative_energy", api.get_energy),
         ("GET", "/gpu/stream_power", api.stream_power),
+        ("POST", "/gpu/set_gpu_locked_clocks", api.set_gpu_locked_clocks),
+        ("POST", "/gpu/reset_gpu_locked_clocks", api.reset_gpu_locked_clocks),
+        # No memory-clock lock is modelled: resetting every domain is the SM clock's reset.
+        ("POST", "/gpu/reset_locked_clocks", api.reset_gpu_locked_clocks),
     ]
     for method, path, handler in routes:
         app.router.add_route(method, path, api.guarded(handler))

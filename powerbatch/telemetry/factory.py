@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
+from typing import Any
 
-from powerbatch.errors import ConfigError, TelemetryError
+from powerbatch.errors import ClockError, ConfigError, TelemetryError
 from powerbatch.telemetry.base import PowerSource
+from powerbatch.telemetry.clock import ClockActuator, NvmlClock, ZeusdClock, grid_mhz
 from powerbatch.telemetry.filters import HampelFilter
 from powerbatch.telemetry.gpu_ids import GpuId
 from powerbatch.telemetry.limiter import (
@@ -25,15 +27,20 @@ from powerbatch.telemetry.limiter import (
 )
 from powerbatch.telemetry.monitor import PowerMonitor
 from powerbatch.telemetry.nvml import (
+    NvmlClockLocker,
     NvmlPowerSource,
     default_power_limit_w,
     nvml_available,
     nvml_pci_bus_ids,
 )
-from powerbatch.telemetry.prometheus import PrometheusPowerSource, dcgm_pci_bus_ids
+from powerbatch.telemetry.prometheus import (
+    DcgmClockReader,
+    PrometheusPowerSource,
+    dcgm_pci_bus_ids,
+)
 from powerbatch.telemetry.replay import ReplayPowerSource
-from powerbatch.telemetry.settings import LimiterSettings, PowerSettings
-from powerbatch.telemetry.zeusd import PciLookup, ZeusdPowerSource
+from powerbatch.telemetry.settings import ClockSettings, LimiterSettings, PowerSettings
+from powerbatch.telemetry.zeusd import PciLookup, ZeusdClient, ZeusdPowerSource
 
 
 def source_kind(
@@ -118,8 +125,27 @@ def device_max_w(power: PowerSettings, kind: str, max_w: float | None) -> float 
     return default_power_limit_w(power.gpu_indices())
 
 
+def zeusd_client(
+    settings: LimiterSettings, clock: ClockSettings | None = None
+) -> ZeusdClient | None:
+    """One zeusd client for the limiter and the clock, where either goes through zeusd."""
+    uses = settings.power_limiter == "zeusd" or (
+        clock is not None and clock.clock_control == "zeusd"
+    )
+    if not uses or not settings.zeusd_url:
+        return None
+    timeout_s = settings.limit_timeout_s
+    if clock is not None and clock.clock_control == "zeusd":
+        timeout_s = max(timeout_s, clock.clock_timeout_s)
+    return ZeusdClient(settings.zeusd_url, token=settings.zeusd_token, timeout_s=timeout_s)
+
+
 def make_limiter(
-    settings: LimiterSettings, gpus: Sequence[GpuId], *, dcgm_url: str | None = None
+    settings: LimiterSettings,
+    gpus: Sequence[GpuId],
+    *,
+    dcgm_url: str | None = None,
+    client: ZeusdClient | None = None,
 ) -> PowerLimiter:
     """The configured backend, not started (call `await limiter.start()`); `dcgm_url` helps
     zeusd find GPUs given by UUID (`pci_lookup`)."""
@@ -133,16 +159,92 @@ def make_limiter(
             token=settings.zeusd_token,
             timeout_s=settings.limit_timeout_s,
             state_dir=settings.limit_state_dir,
+            client=client,
             pci_lookup=pci_lookup(dcgm_url),
         )
     return NoLimiter()
 
 
 def make_actuator(
-    settings: LimiterSettings, gpus: Sequence[GpuId], *, dcgm_url: str | None = None
+    settings: LimiterSettings,
+    gpus: Sequence[GpuId],
+    *,
+    dcgm_url: str | None = None,
+    client: ZeusdClient | None = None,
 ) -> LimitActuator | None:
     """The configured limiter behind its actuator, or None for admission alone (not started:
     the control loop starts it first thing, so crash recovery runs before anything else)."""
     if settings.power_limiter == "none":
         return None
-    return LimitActuator.from_settings(make_limiter(settings, gpus, dcgm_url=dcgm_url), settings)
+    limiter = make_limiter(settings, gpus, dcgm_url=dcgm_url, client=client)
+    return LimitActuator.from_settings(limiter, settings)
+
+
+def _supported_clocks(clock: ClockSettings, gpus: Sequence[GpuId]) -> Callable[[], Any]:
+    """zeusd reads no clocks: NVML's list (read-only, unprivileged) where this process sees the
+    GPUs, else the configured range on its grid."""
+
+    async def supported() -> list[int]:
+        try:
+            locker = NvmlClockLocker(gpus)
+        except ClockError:
+            locker = None
+        if locker is not None:
+            try:
+                per_gpu = locker.supported_mhz()
+                return sorted(set(per_gpu[0]).intersection(*per_gpu[1:]))
+            except ClockError:
+                pass
+            finally:
+                locker.close()
+        if clock.clock_range_mhz:
+            lo, hi = clock.clock_range_mhz
+            return grid_mhz(lo, hi, clock.clock_step_mhz)
+        raise ClockError(
+            "zeusd reads no clocks and NVML does not see these GPUs: set clock_range_mhz to "
+            "the GPUs' lowest and highest SM clock (nvidia-smi -q -d SUPPORTED_CLOCKS)"
+        )
+
+    return supported
+
+
+def make_clock_actuator(
+    clock: ClockSettings,
+    limiter: LimiterSettings,
+    power: PowerSettings,
+    *,
+    dcgm_url: str | None = None,
+    client: ZeusdClient | None = None,
+) -> ClockActuator | None:
+    """The configured clock backend behind its actuator, or None (the driver's own policy).
+    zeusd shares the limiter's client (`client`) and state directory; the clock now is read
+    from NVML, or from dcgm-exporter's DCGM_FI_DEV_SM_CLOCK at `dcgm_url` with zeusd."""
+    gpus = power.gpu_indices()
+    backend: NvmlClock | ZeusdClock
+    if clock.clock_control == "none":
+        return None
+    if clock.clock_control == "nvml":
+        backend = NvmlClock(gpus, state_dir=limiter.limit_state_dir)
+    else:
+        if client is None:
+            client = zeusd_client(limiter, clock)
+        if client is None:
+            raise ConfigError("clock_control zeusd needs zeusd_url")
+        reader = None
+        if dcgm_url:
+            reader = DcgmClockReader(dcgm_url, labels=power.dcgm_labels())
+        backend = ZeusdClock(
+            client,
+            gpus,
+            supported=_supported_clocks(clock, gpus),
+            reader=reader,
+            token=limiter.zeusd_token,
+            state_dir=limiter.limit_state_dir,
+            pci_lookup=pci_lookup(dcgm_url),
+        )
+    return ClockActuator(
+        backend,
+        dead_band_mhz=clock.clock_dead_band_mhz,
+        min_interval_s=clock.clock_min_interval_s,
+        timeout_s=clock.clock_timeout_s,
+    )

@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 from powerbatch.errors import (
+    ClockError,
     LimiterPermissionDenied,
     LimiterUnavailable,
     PowerLimitError,
@@ -303,6 +304,78 @@ class NvmlPowerLimiter:
 
     def close(self) -> None:
         """Release NVML; the limits stay as they are."""
+        self._devices.shutdown()
+
+
+class NvmlClockLocker:
+    """Read and lock the SM (graphics) clock of a set of GPUs (synchronous device calls only;
+    the state file, snapping and safety rules are powerbatch.telemetry.clock's).
+
+    nvmlDeviceGetSupportedGraphicsClocks lists the clocks valid at a memory clock: the one in
+    force now (nvmlDeviceGetClockInfo, NVML_CLOCK_MEM). Locking needs root or CAP_SYS_ADMIN
+    (nvmlDeviceSetGpuLockedClocks); reading does not.
+    """
+
+    def __init__(
+        self, gpu_indices: Sequence[GpuId] = (0,), *, nvml: ModuleType | None = None
+    ) -> None:
+        try:
+            self._nvml = _load(nvml)
+            self._devices = _NvmlHandles(self._nvml, gpu_indices)
+        except (SensorUnavailable, SensorReadError) as exc:
+            raise ClockError(f"cannot open GPUs for clock control: {exc}") from exc
+        self.gpu_indices = self._devices.indices
+        self._no_permission = _codes(self._nvml, ("NVML_ERROR_NO_PERMISSION",))
+
+    def _per_gpu(self, what: str, call: Callable[[Any], _T]) -> list[_T]:
+        results: list[_T] = []
+        for index, handle in zip(self.gpu_indices, self._devices.handles, strict=True):
+            try:
+                results.append(call(handle))
+            except self._nvml.NVMLError as exc:
+                hint = ""
+                if _error_code(exc) in self._no_permission:
+                    hint = " (locking clocks needs root or CAP_SYS_ADMIN, or use zeusd)"
+                raise ClockError(f"GPU {index}: {what} failed: {exc}{hint}") from exc
+        return results
+
+    def supported_mhz(self) -> list[list[int]]:
+        """Per GPU, the SM clocks it accepts at its memory clock now, ascending."""
+        nvml = self._nvml
+
+        def one(handle: Any) -> list[int]:
+            mem = int(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_MEM))
+            return sorted(int(c) for c in nvml.nvmlDeviceGetSupportedGraphicsClocks(handle, mem))
+
+        return self._per_gpu("nvmlDeviceGetSupportedGraphicsClocks", one)
+
+    def clocks_mhz(self) -> list[float]:
+        """Per GPU SM clock now."""
+        nvml = self._nvml
+        return self._per_gpu(
+            "nvmlDeviceGetClockInfo",
+            lambda h: float(nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM)),
+        )
+
+    def lock(self, min_mhz: int, max_mhz: int) -> None:
+        self._per_gpu(
+            f"lock SM clocks to {min_mhz}-{max_mhz} MHz",
+            lambda h: self._nvml.nvmlDeviceSetGpuLockedClocks(h, int(min_mhz), int(max_mhz)),
+        )
+
+    def reset(self) -> None:
+        """Back to the driver's default clock policy on every GPU (each is tried)."""
+        errors: list[ClockError] = []
+        for index, handle in zip(self.gpu_indices, self._devices.handles, strict=True):
+            try:
+                self._nvml.nvmlDeviceResetGpuLockedClocks(handle)
+            except self._nvml.NVMLError as exc:
+                errors.append(ClockError(f"GPU {index}: nvmlDeviceResetGpuLockedClocks: {exc}"))
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        """Release NVML; the clocks stay as they are."""
         self._devices.shutdown()
 
 

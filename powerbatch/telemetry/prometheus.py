@@ -241,3 +241,25 @@ async def dcgm_pci_bus_ids(
             if uuid in wanted and bus_id:
                 found[uuid] = bus_id
     return found
+
+
+class DcgmClockReader:
+    """The GPUs' SM clock, MHz, from dcgm-exporter's DCGM_FI_DEV_SM_CLOCK (the mean over the
+    selected GPUs): what the clock actuator reports where zeusd, which has no clock read, sets
+    the clock."""
+
+    METRIC = "DCGM_FI_DEV_SM_CLOCK"
+
+    def __init__(self, url: str, *, labels: LabelFilter | None = None, timeout_s: float = 1.0):
+        self._endpoint = _Endpoint(url, timeout_s, None)
+        self._labels = _normalise(labels)
+
+    async def read_mhz(self) -> float | None:
+        """The clock now, None where the exporter does not export it; TelemetryError if the
+        endpoint cannot be read."""
+        samples = (await self._endpoint.fetch()).matching(self.METRIC, self._labels)
+        values = [s.value for s in samples or [] if math.isfinite(s.value)]
+        return sum(values) / len(values) if values else None
+
+    async def close(self) -> None:
+        await self._endpoint.close()

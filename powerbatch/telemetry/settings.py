@@ -145,3 +145,44 @@ class LimiterSettings:
             raise ConfigError(
                 f"zeusd_url must be http://host:port or unix:///path, got {self.zeusd_url!r}"
             )
+
+
+ClockKind = Literal["none", "nvml", "zeusd"]
+
+
+@dataclass(frozen=True, slots=True)
+class ClockSettings:
+    """SM clock: the GPUs' locked clock range as a third actuator (docs/clock.md)"""
+
+    clock_control: ClockKind = setting(
+        "none",
+        "how the GPUs' SM clock is locked: none (the driver's own policy), nvml (this process "
+        "needs root or CAP_SYS_ADMIN) or zeusd (through the Zeus node daemon at zeusd_url)",
+    )
+    clock_dead_band_mhz: float = setting(
+        45.0, "a requested lock within this of the one in force is not applied, MHz", ge=0
+    )
+    clock_min_interval_s: float = setting(
+        2.0,
+        "lowering the clock waits this long after the last change (raising goes at once), s",
+        ge=0,
+        le=3600,
+    )
+    clock_timeout_s: float = setting(
+        2.0, "a clock change or read that takes longer has failed, s", gt=0, le=60
+    )
+    clock_range_mhz: tuple[int, ...] = setting(
+        (),
+        "lowest and highest SM clock the GPUs support, MHz, where NVML cannot read them (zeusd "
+        "from a process that does not see the GPUs)",
+        default_doc="read from NVML (nvmlDeviceGetSupportedGraphicsClocks)",
+    )
+    clock_step_mhz: int = setting(
+        15, "the grid of supported clocks with clock_range_mhz, MHz (15 on H100)", ge=1
+    )
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
+        r = self.clock_range_mhz
+        if r and (len(r) != 2 or not 0 < r[0] < r[1]):
+            raise ConfigError(f"clock_range_mhz must be two clocks lowest < highest, got {r}")

@@ -204,6 +204,29 @@ class ZeusdClient:
             },
         )
 
+    async def set_gpu_locked_clocks(
+        self, gpu_ids: Sequence[int], min_clock_mhz: int, max_clock_mhz: int, *, block: bool = True
+    ) -> None:
+        """Lock the SM clock (zeusd/src/routes/gpu.rs: every field required)."""
+        await self.request(
+            "POST",
+            "/gpu/set_gpu_locked_clocks",
+            {
+                "gpu_ids": _ids(gpu_ids),
+                "min_clock_mhz": str(int(min_clock_mhz)),
+                "max_clock_mhz": str(int(max_clock_mhz)),
+                "block": "true" if block else "false",
+            },
+        )
+
+    async def reset_gpu_locked_clocks(self, gpu_ids: Sequence[int], *, block: bool = True) -> None:
+        """Back to the driver's default clock policy."""
+        await self.request(
+            "POST",
+            "/gpu/reset_gpu_locked_clocks",
+            {"gpu_ids": _ids(gpu_ids), "block": "true" if block else "false"},
+        )
+
     async def get_power_mw(self, gpu_ids: Sequence[int]) -> dict[int, float]:
         data = await self.request("GET", "/gpu/get_power", {"gpu_ids": _ids(gpu_ids)})
         try:

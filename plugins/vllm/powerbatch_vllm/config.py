@@ -15,13 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from powerbatch.control import ControlConfig, prior_max_w
-from powerbatch.control.config import ShapeSettings, TraceSettings
+from powerbatch.control.config import ClockPolicy, ShapeSettings, TraceSettings
 from powerbatch.energy.settings import EnergySettings
 from powerbatch.errors import ConfigError
 from powerbatch.fleet.settings import FleetSettings
 from powerbatch.settings import Surface, check_bounds, load, setting
 from powerbatch.settings import reference_markdown as _reference
-from powerbatch.telemetry.settings import LimiterSettings, PowerSettings
+from powerbatch.telemetry.settings import ClockSettings, LimiterSettings, PowerSettings
 
 ENV_PREFIX = "POWERBATCH_VLLM_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
@@ -66,6 +66,8 @@ class PluginConfig:
     fleet: FleetSettings = dataclasses.field(default_factory=FleetSettings)
     energy: EnergySettings = dataclasses.field(default_factory=EnergySettings)
     simulation: SimulationSettings = dataclasses.field(default_factory=SimulationSettings)
+    clock: ClockSettings = dataclasses.field(default_factory=ClockSettings)
+    clock_policy: ClockPolicy = dataclasses.field(default_factory=ClockPolicy)
 
     def __post_init__(self) -> None:
         self.power.check_ceiling(self.control.ceiling_w)
@@ -78,6 +80,8 @@ class PluginConfig:
             raise ConfigError(f"{ENV_PREFIX}POWER_SOURCE=dcgm needs {ENV_PREFIX}DCGM_URL")
         if self.power.power_source == "zeusd" and not self.limiter.zeusd_url:
             raise ConfigError(f"{ENV_PREFIX}POWER_SOURCE=zeusd needs {ENV_PREFIX}ZEUSD_URL")
+        if self.clock.clock_control == "zeusd" and not self.limiter.zeusd_url:
+            raise ConfigError(f"{ENV_PREFIX}CLOCK_CONTROL=zeusd needs {ENV_PREFIX}ZEUSD_URL")
 
     def control_config(
         self, *, engine_max_batch: int, max_kv_tokens: int, device_max_w: float | None = None

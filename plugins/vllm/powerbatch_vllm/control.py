@@ -229,6 +229,7 @@ class ControlThread:
         # The proxy's planner, fed from the engine's own arrivals, completions and queue;
         # it solves in a worker thread of this thread's loop, never in `schedule()`.
         plan = plan_runner(cfg.shape, self.controller, stats.queue_counts)
+        zeusd = factory.zeusd_client(cfg.limiter, cfg.clock)  # one for the limit and the clock
         self.loop = ControlLoop(
             self.controller,
             self.monitor,
@@ -242,8 +243,13 @@ class ControlThread:
             # Created here, started (crash recovery first) and used on the control thread's
             # own event loop, which owns its HTTP session.
             actuator=factory.make_actuator(
-                cfg.limiter, cfg.power.gpu_indices(), dcgm_url=cfg.power.dcgm_url
+                cfg.limiter, cfg.power.gpu_indices(), dcgm_url=cfg.power.dcgm_url, client=zeusd
             ),
+            # The same SM clock actuator and law as the proxy's, on this thread's loop too.
+            sm_clock=factory.make_clock_actuator(
+                cfg.clock, cfg.limiter, cfg.power, dcgm_url=cfg.power.dcgm_url, client=zeusd
+            ),
+            clock_policy=cfg.clock_policy,
             ceiling=member,
             plan=plan,
         )

@@ -1,0 +1,222 @@
+"""The SM clock as the loop sees it: the clock law's choice, applied off the tick (a lock takes
+milliseconds through NVML, about 100 ms through zeusd's block=true, and a tick must not wait),
+and the clock's metrics (`powerbatch_sm_clock_*`, J/token by phase).
+
+The clock starts with the device limit, before the monitor, so a lock a crashed run left
+behind is reset before anything else; on stop it is reset before the limit is restored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections import deque
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from powerbatch.control.config import ClockPolicy, ControlConfig
+from powerbatch.control.laws.clock import ClockChoice, ClockInput, ClockLaw
+from powerbatch.control.types import Observation
+from powerbatch.telemetry.clock import ClockActuator
+
+log = logging.getLogger("powerbatch.control")
+
+PREFILL_WEIGHT = 0.25
+"""A prompt token's energy relative to a generated token's, for J/token by phase: the published
+figures in powerbatch.energy.attribution (665 W / 25,000 prompt tokens/s against 0.11 J per
+generated token at batch 64, arXiv 2605.11999 and 2602.05116)."""
+PHASE_WINDOW_S = 30.0
+SAMPLE_EVERY_S = 1.0
+
+
+class ClockMetrics:
+    """`powerbatch_sm_clock_*` and J/token by phase, on the host's registry."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.sm_clock_mhz = Gauge(
+            "powerbatch_sm_clock_mhz", "The GPUs' SM clock now (mean over the set)", registry=r
+        )
+        self.locked_mhz = Gauge(
+            "powerbatch_sm_clock_locked_mhz",
+            "The locked SM clock range in force, by bound (NaN: unlocked)",
+            ["bound"],
+            registry=r,
+        )
+        self.changes = Counter(
+            "powerbatch_sm_clock_changes", "SM clock lock changes applied", registry=r
+        )
+        self.fallbacks = Counter(
+            "powerbatch_sm_clock_fallbacks",
+            "Failed, refused or timed-out clock changes that fell back to unlocked clocks",
+            registry=r,
+        )
+        self.degraded = Gauge(
+            "powerbatch_sm_clock_degraded",
+            "1 while clock control fails (clocks unlocked)",
+            registry=r,
+        )
+        self.j_per_token = Gauge(
+            "powerbatch_j_per_token",
+            "Joules per token by phase over the last 30 s (prefill: per prompt token)",
+            ["phase"],
+            registry=r,
+        )
+        self._counts = (0, 0)
+        for b in ("min", "max"):
+            self.locked_mhz.labels(b).set(math.nan)
+        for ph in ("prefill", "decode"):
+            self.j_per_token.labels(ph).set(math.nan)
+        self.sm_clock_mhz.set(math.nan)
+
+    def export(self, status: dict[str, Any]) -> None:
+        lock = status.get("locked_mhz")
+        for b, v in zip(("min", "max"), lock or (math.nan, math.nan), strict=True):
+            self.locked_mhz.labels(b).set(v)
+        clock = status.get("sm_clock_mhz")
+        self.sm_clock_mhz.set(math.nan if clock is None else clock)
+        self.degraded.set(1.0 if status.get("degraded") else 0.0)
+        changes, fallbacks = int(status["changes_total"]), int(status["fallbacks_total"])
+        self.changes.inc(max(0, changes - self._counts[0]))
+        self.fallbacks.inc(max(0, fallbacks - self._counts[1]))
+        self._counts = (changes, fallbacks)
+
+
+class PhaseEnergy:
+    """Joules per token by phase: each tick's energy split over prompt and generated tokens by
+    work units (`PREFILL_WEIGHT` per prompt token), summed over `PHASE_WINDOW_S`."""
+
+    def __init__(self) -> None:
+        self._ticks: deque[tuple[float, float, float, float, float]] = deque()
+        self._t_last: float | None = None
+
+    def add(
+        self, t_s: float, power_w: float | None, prefill_tok_s: float, decode_tok_s: float
+    ) -> None:
+        dt = 0.0 if self._t_last is None else max(t_s - self._t_last, 0.0)
+        self._t_last = t_s
+        if power_w is None or dt <= 0 or dt > 5.0:
+            return
+        pre, dec = prefill_tok_s * dt, decode_tok_s * dt
+        units = PREFILL_WEIGHT * pre + dec
+        e = power_w * dt
+        e_pre = e * PREFILL_WEIGHT * pre / units if units > 0 else 0.0
+        self._ticks.append((t_s, e_pre, e - e_pre if units > 0 else 0.0, pre, dec))
+        while self._ticks and self._ticks[0][0] < t_s - PHASE_WINDOW_S:
+            self._ticks.popleft()
+
+    def j_per_token(self) -> dict[str, float | None]:
+        e_pre = sum(t[1] for t in self._ticks)
+        e_dec = sum(t[2] for t in self._ticks)
+        n_pre = sum(t[3] for t in self._ticks)
+        n_dec = sum(t[4] for t in self._ticks)
+        return {
+            "prefill": e_pre / n_pre if n_pre > 0 else None,
+            "decode": e_dec / n_dec if n_dec > 0 else None,
+        }
+
+
+class DeviceClock:
+    """The clock law and its actuator; one change at a time, the next tick brings the newest."""
+
+    def __init__(
+        self,
+        actuator: ClockActuator,
+        policy: ClockPolicy,
+        config: ControlConfig,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.actuator = actuator
+        self.law = ClockLaw(policy, config)
+        self.metrics = ClockMetrics(registry)
+        self.phases = PhaseEnergy()
+        self._tick_hz = config.tick_hz
+        self._observing = config.mode == "observe"
+        self._task: asyncio.Task[None] | None = None
+        self._sampled_at = -math.inf
+        self._changed_at = -math.inf
+
+    async def start(self) -> None:
+        if not await self.actuator.start():
+            log.error("clock control degraded at start: %s", self.actuator.degraded_reason)
+        self.law.set_supported(self.actuator.supported_mhz(), self._tick_hz)
+
+    def _top_mhz(self) -> float:
+        lock = self.actuator.in_force
+        if lock is not None:
+            return float(lock[1])
+        supported = self.actuator.supported_mhz()
+        return float(supported[-1]) if supported else math.nan
+
+    def tick(self, obs: Observation, t_s: float) -> ClockChoice:
+        """One tick of the law; its choice is applied off the tick."""
+        if not self.law.levels:
+            self.law.set_supported(self.actuator.supported_mhz(), self._tick_hz)
+        seen = obs.seen
+        lat = obs.latency
+        inp = ClockInput(
+            t_s=t_s,
+            power_w=obs.power_w,
+            batch=seen.batch,
+            decode_tok_s=seen.decode_tok_s,
+            prefill_tok_s=seen.prefill_tok_s,
+            queued=obs.queued,
+            ttft_p95_s=lat.ttft_p95_s if lat else None,
+            tpot_p95_s=lat.tpot_p95_s if lat else None,
+            top_mhz=self._top_mhz(),
+            changed_at_s=self._changed_at,
+        )
+        choice = self.law.tick(inp, obs.sensor_ok and obs.power_w is not None)
+        self.phases.add(t_s, obs.power_w, obs.features.prefill_tok_s, obs.features.decode_tok_s)
+        # Observing enforces nothing, the clock included: the choice is reported, not applied.
+        self._request(None if self._observing else choice.lock, t_s)
+        self.metrics.export(self.actuator.status())
+        for phase, v in self.phases.j_per_token().items():
+            self.metrics.j_per_token.labels(phase).set(math.nan if v is None else v)
+        return choice
+
+    def fail_safe(self) -> None:
+        """A tick failed: back to the driver's own clock policy until ticks work again."""
+        self._request(None, self._sampled_at)
+
+    def _request(self, lock: tuple[int, int] | None, t_s: float) -> None:
+        if self._task is not None and not self._task.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        sample = t_s - self._sampled_at >= SAMPLE_EVERY_S
+        if sample:
+            self._sampled_at = t_s
+        self._task = loop.create_task(self._apply(lock, t_s, sample), name="powerbatch-clock")
+
+    async def _apply(self, lock: tuple[int, int] | None, t_s: float, sample: bool) -> None:
+        try:
+            before = self.actuator.changes_total
+            await self.actuator.apply(lock)
+            if self.actuator.changes_total != before:
+                self._changed_at = t_s
+            if sample:
+                await self.actuator.sample()
+        except Exception:  # the actuator reports its own failures; this is a bug guard
+            log.exception("applying the SM clock failed")
+
+    def status(self) -> dict[str, Any]:
+        return {
+            **self.actuator.status(),
+            "law": self.law.summary(),
+            "j_per_token": self.phases.j_per_token(),
+        }
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await self._task
+        try:
+            await self.actuator.restore()
+        except Exception as exc:  # the state file makes the next start reset them
+            log.error("could not reset the SM clocks: %s", exc)
+        await self.actuator.backend.close()
