@@ -14,16 +14,15 @@ def args(*extra: str) -> argparse.Namespace:
     return build_parser().parse_args(["fleet-bench", *extra])
 
 
-def test_shares_are_bounded_by_what_the_gpus_limit_can_enforce() -> None:
+def test_members_take_their_share_bounds_from_their_devices_unless_told() -> None:
     a = args()
-    lo, hi = fleet_bench.share_bounds_w(a)
-    assert (lo, hi) == (200.0, 700.0)  # the simulated H100's lowest power limit and its TDP
-    assert fleet_bench.share_bounds_w(args("--min-share-w", "480", "--budget-w", "600")) == (
-        480.0,
-        600.0,
-    )
     proxy = fleet_bench.proxy_args(a, 0, "fleet", "http://s", 1, 2, fleet_bench.Path("/tmp"))
-    assert "--power-limiter" in proxy and "--fleet-min-share-w" in proxy
+    assert "--power-limiter" in proxy and "--fleet-budget" in proxy
+    assert "--fleet-min-share-w" not in proxy and "--fleet-max-share-w" not in proxy
+    told = fleet_bench.proxy_args(
+        args("--min-share-w", "480"), 0, "fleet", "http://s", 1, 2, fleet_bench.Path("/tmp")
+    )
+    assert told[told.index("--fleet-min-share-w") + 1] == "480.0"
     static = fleet_bench.proxy_args(a, 0, "static", "http://s", 1, 2, fleet_bench.Path("/tmp"))
     assert "--power-limiter" in static and "--fleet-budget" not in static  # same actuator
     plain = fleet_bench.proxy_args(

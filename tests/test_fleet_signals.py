@@ -10,7 +10,8 @@ import pytest
 
 from powerbatch.control.loop import TickRecord
 from powerbatch.estimate import Features
-from powerbatch.fleet import Bid, water_fill
+from powerbatch.fleet import Bid, FleetSettings, water_fill
+from powerbatch.fleet.member import share_bounds_w
 from powerbatch.fleet.signals import DEMAND_TAU_S, LoopSignals
 
 DECODE_TOK_S_PER_REQUEST = 60.0
@@ -36,6 +37,8 @@ def loop(
     power_w: float,
     limit_w: float | None,
     model: LinearModel,
+    bounds: tuple[float, float] | None = (200.0, DEVICE_MAX_W),
+    max_w: float | None = None,
 ) -> Any:
     batch = float(in_flight)
     rec = TickRecord(
@@ -48,9 +51,9 @@ def loop(
     )  # fmt: skip
     return SimpleNamespace(
         history=[rec],
-        controller=SimpleNamespace(config=SimpleNamespace(min_batch=1)),
+        controller=SimpleNamespace(config=SimpleNamespace(min_batch=1, max_w=max_w)),
         predict_w=lambda f: model.predict_one(f)[0],  # ControlLoop.predict_w
-        device_limit_bounds_w=lambda: (200.0, DEVICE_MAX_W),  # a limiter holds the device
+        device_limit_bounds_w=lambda: bounds,  # a limiter holds the device (None: none)
     )
 
 
@@ -119,3 +122,27 @@ def test_the_demand_bid_rises_at_once_and_falls_slowly() -> None:
         t_s=12.0, in_flight=20, queued=0, power_w=400.0, limit_w=None, model=model
     ).history[-1]
     assert sig().value_per_w == pytest.approx(2 * 20 / 340.0)
+
+
+def test_the_default_bounds_are_what_the_member_can_honour() -> None:
+    """Unset bounds: with a limiter, the device's limit range; without, one request's power up
+    to the GPUs' highest draw. A setting narrows them; none widens them."""
+    model = LinearModel(base_w=450.0, slope_w=2.0)
+    settings = FleetSettings(fleet_budget="b", fleet_budget_w=1300.0)
+    limited = LoopSignals(
+        loop(in_flight=3, queued=0, power_w=300.0, limit_w=320.0, model=model)
+    )()
+    assert share_bounds_w(settings, limited) == (200.0, DEVICE_MAX_W)
+    alone = LoopSignals(
+        loop(in_flight=3, queued=0, power_w=460.0, limit_w=None, model=model, bounds=None,
+             max_w=DEVICE_MAX_W)  # fmt: skip
+    )()
+    assert share_bounds_w(settings, alone) == (pytest.approx(452.0), DEVICE_MAX_W)
+    told = FleetSettings(
+        fleet_budget="b", fleet_budget_w=1300.0, fleet_min_share_w=250, fleet_max_share_w=600
+    )
+    assert share_bounds_w(told, limited) == (250.0, 600.0)
+    unknown = LoopSignals(
+        loop(in_flight=0, queued=0, power_w=80.0, limit_w=None, model=model, bounds=None)
+    )()
+    assert share_bounds_w(settings, unknown)[1] == 1300.0  # nothing known: the budget

@@ -12,9 +12,10 @@ Calibration, and why. A share is only a share if the server can hold it. On the 
 (Llama-3.1-8B) decoding a single request draws about 480 W and anything less is idle (78 W):
 admission alone cannot hold a ceiling in between. So by default every proxy also sets its
 GPU's power limit (through the simulator's zeusd API, as `powerbatch bench`'s `powerbatch` arm
-does), both arms alike, and a member's share is kept within what that limit can enforce: at
-least the lowest limit the GPU accepts, at most its TDP. Without `--limiter` a share is held by
-admission alone, and `--min-share-w` should then be the one-request decode power.
+does), both arms alike, and each member keeps its share within what that limit can enforce (at
+least the lowest limit the GPU accepts, at most its TDP) by itself, from the limiter's
+constraints. Without `--limiter` a share is held by admission alone, and the member asks for no
+less than its one-request power.
 
 Processes: the N simulators share one process (`powerbatch.cli.fleet_sims`: a late step is
 counted as idle, never as power); each proxy, the member under test, is its own process, so a
@@ -76,13 +77,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--min-share-w",
         type=float,
         default=None,
-        help="a member's smallest share (default: the GPU's lowest power limit)",
+        help="a member's smallest share (default: unset, the member's own: its GPU's lowest "
+        "power limit, or one request's power without a limiter)",
     )
     p.add_argument(
         "--max-share-w",
         type=float,
         default=None,
-        help="a member's largest share (default: the GPU's TDP, or the budget if less)",
+        help="a member's largest share (default: unset, the member's own: its GPU's TDP)",
     )
     p.add_argument("--kill-member-at-s", type=float, default=40.0)
     p.add_argument("--kill-redis-at-s", type=float, default=65.0)
@@ -92,14 +94,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--seed", type=int, default=1, help="repeat r of every arm uses seed + r")
     p.add_argument("--out", type=Path, default=Path("results/fleet"))
     p.set_defaults(func=main)
-
-
-def share_bounds_w(a: argparse.Namespace) -> tuple[float, float]:
-    """A member's share bounds: what its GPU's power limit can enforce (unless given)."""
-    prof = PROFILES[a.gpu]
-    lo = a.min_share_w if a.min_share_w is not None else prof.min_limit_w_per_gpu * prof.num_gpus
-    hi = a.max_share_w if a.max_share_w is not None else min(prof.tdp_w, a.budget_w)
-    return lo, hi
 
 
 def hot_member(t_s: float, a: argparse.Namespace) -> int:
@@ -182,13 +176,16 @@ def proxy_args(
         args += ["--power-limiter", "zeusd", "--zeusd-url", sim_url,
                  "--limit-state-dir", str(log / f"limits{i}")]  # fmt: skip
     if arm != "static":
-        lo, hi = share_bounds_w(a)
         args += ["--fleet-budget", "bench", "--fleet-budget-w", str(a.budget_w),
                  "--fleet-redis-url", f"redis://127.0.0.1:{redis_port}/0",
                  "--fleet-members", str(n), "--fleet-member-id", f"m{i}",
-                 "--fleet-lease-ttl-s", str(a.lease_ttl_s),
-                 "--fleet-publish-interval-s", str(a.lease_ttl_s / 3),
-                 "--fleet-min-share-w", str(lo), "--fleet-max-share-w", str(hi)]  # fmt: skip
+                 "--fleet-lease-ttl-s", str(a.lease_ttl_s)]  # fmt: skip
+        # Unset, a member takes its bounds from its device (or its admission): the defaults
+        # are what is measured.
+        if a.min_share_w is not None:
+            args += ["--fleet-min-share-w", str(a.min_share_w)]
+        if a.max_share_w is not None:
+            args += ["--fleet-max-share-w", str(a.max_share_w)]
     return args
 
 

@@ -43,6 +43,7 @@ class MemberSignals:
     value_per_w: float = 0.0  # d(goodput)/d(watts), requests per W, unweighted
     want_w: float = 0.0  # the power serving all its demand would draw
     floor_w: float = 0.0  # the least it can hold while it serves at all (0: any share)
+    max_w: float = math.inf  # the most it can draw: its device's highest limit, or its TDP
 
 
 class Stage(StrEnum):
@@ -162,23 +163,34 @@ class Election:
         self.gauge.set(0.0)
 
 
+def share_bounds_w(settings: FleetSettings, sig: MemberSignals) -> tuple[float, float]:
+    """The member's share bounds: the settings' (unset: 0 and the budget) narrowed to what its
+    actuators can honour, its floor (a share it cannot hold is drawn anyway) and its maximum
+    (watts above what it can draw are wasted), so the defaults need no calibration."""
+    hi = settings.max_share_w
+    if math.isfinite(sig.max_w) and sig.max_w > 0:
+        hi = min(hi, sig.max_w)
+    floor = sig.floor_w if math.isfinite(sig.floor_w) else 0.0
+    return min(max(settings.fleet_min_share_w, floor), hi), hi
+
+
 def bid_fields(settings: FleetSettings, sig: MemberSignals, using_w: float) -> dict[str, Any]:
-    """A renewal's bid: `min_w` at least its floor (a share it cannot hold is drawn here too);
-    `value_per_w` times the demand's mean class weight (in-flight requests count as normal)."""
+    """A renewal's bid: its bounds (`share_bounds_w`); `value_per_w` times the demand's mean
+    class weight (in-flight requests count as normal)."""
     w = settings.weights()
     n = sum(sig.queued_by_class.values()) + sig.in_flight
     weight = w["normal"]
     if n > 0:
         total = sum(w.get(c, w["normal"]) * k for c, k in sig.queued_by_class.items())
         weight = (total + w["normal"] * sig.in_flight) / n
-    floor = sig.floor_w if math.isfinite(sig.floor_w) else 0.0
+    lo, hi = share_bounds_w(settings, sig)
     return {
         "power_w": "" if sig.power_w is None else round(sig.power_w, 2),
         "in_flight": sig.in_flight,
         "value_per_w": sig.value_per_w * weight,
         "want_w": sig.want_w,
-        "min_w": min(max(settings.fleet_min_share_w, floor), settings.max_share_w),
-        "max_w": settings.max_share_w,
+        "min_w": lo,
+        "max_w": hi,
         "using_w": using_w,
         **{f"demand_{c}": k for c, k in sig.queued_by_class.items()},
     }

@@ -5,8 +5,10 @@
 * want W: the power model at the last per-request shape scaled to D; while a device limit holds
   the member (meter at `PINNED_FRAC` of it or more) with work, the meter and a model taught
   there under-read the demand, and W is the device's highest limit;
-* value_per_w = 2 D / W (the modelled goodput at W is D); floor_w = P(shape * min_batch)
-  without a device limit (admission's smallest step is one request: less cannot be held).
+* value_per_w = 2 D / W (the modelled goodput at W is D);
+* bounds: with a device limit, its range (the lowest limit holds any share above it, a share
+  above the highest is never drawn); without, floor_w = P(shape * min_batch) (admission's
+  smallest step is one request: less cannot be held) and max_w the GPUs' highest draw.
 """
 
 from __future__ import annotations
@@ -46,9 +48,13 @@ class LoopSignals:
         f = rec.features
         if f.batch >= 1:
             self._shape = f.per_request()
-        want, floor = 0.0, 0.0
+        want, floor, most = 0.0, 0.0, math.inf
         shape = self._shape
         bounds = loop.device_limit_bounds_w()
+        if bounds is not None:  # the limit holds any share in the device's range
+            floor, most = bounds
+        elif loop.controller.config.max_w:  # admission alone: up to what the GPUs can draw
+            most = float(loop.controller.config.max_w)
         if shape is not None:
             want = loop.predict_w(shape.scaled(float(demand)))
             if bounds is None:
@@ -64,6 +70,7 @@ class LoopSignals:
             value_per_w=max(value, 0.0),
             want_w=max(want, 0.0),
             floor_w=max(floor, 0.0),
+            max_w=most,
         )
 
     def _smoothed(self, t_s: float, demand: float) -> float:
