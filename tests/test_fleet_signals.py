@@ -129,13 +129,18 @@ def test_the_default_bounds_are_what_the_member_can_honour() -> None:
     to the GPUs' highest draw. A setting narrows them; none widens them."""
     model = LinearModel(base_w=450.0, slope_w=2.0)
     settings = FleetSettings(fleet_budget="b", fleet_budget_w=1300.0)
-    limited = LoopSignals(
-        loop(in_flight=3, queued=0, power_w=300.0, limit_w=320.0, model=model)
-    )()
+    limited = LoopSignals(loop(in_flight=3, queued=0, power_w=300.0, limit_w=320.0, model=model))()
     assert share_bounds_w(settings, limited) == (200.0, DEVICE_MAX_W)
     alone = LoopSignals(
-        loop(in_flight=3, queued=0, power_w=460.0, limit_w=None, model=model, bounds=None,
-             max_w=DEVICE_MAX_W)  # fmt: skip
+        loop(
+            in_flight=3,
+            queued=0,
+            power_w=460.0,
+            limit_w=None,
+            model=model,
+            bounds=None,
+            max_w=DEVICE_MAX_W,
+        )
     )()
     assert share_bounds_w(settings, alone) == (pytest.approx(452.0), DEVICE_MAX_W)
     told = FleetSettings(
