@@ -58,11 +58,12 @@ def test_water_fill_spreads_spare_watts_and_scales_infeasible_minima() -> None:
 
 
 def test_small_moves_are_held_and_large_ones_made() -> None:
-    """A lower share cuts a member's batch; one a few watts lower buys nobody anything."""
+    """A lower share cuts a member's batch; one a few watts lower buys nobody anything. A
+    raise held back would leave watts undrawn."""
     targets = {"hot": 690.0, "a": 380.0, "b": 330.0, "c": 400.0}
     grants = {"hot": 680.0, "a": 395.0, "b": 420.0, "c": 300.0}
     held = hold_small_moves(targets, grants, band_w=45.0)
-    assert held == {"hot": 680.0, "a": 395.0, "b": 330.0, "c": 400.0}
+    assert held == {"hot": 690.0, "a": 395.0, "b": 330.0, "c": 400.0}  # raises always made
     assert hold_small_moves(targets, {}, band_w=45.0) == targets  # no grant yet: the target
 
 

@@ -38,7 +38,7 @@ def test_every_case_has_a_static_split_each_gpu_set_accepts(cases: list[Any]) ->
 
 def test_the_loads_are_what_each_case_says() -> None:
     a = matrix_args("--duration-s", "40")
-    moving, _, diurnal, bursts, even = fleet_matrix.reduced_cases()
+    moving, _, diurnal, bursts, even, _ = fleet_matrix.reduced_cases()
     ns = fleet_matrix.case_args(a, moving)
     plans = [ns.plan_for(i, ns, 1) for i in range(moving.members)]
     assert plans == [ns.plan_for(i, ns, 1) for i in range(moving.members)]  # same seeds

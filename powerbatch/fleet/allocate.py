@@ -142,11 +142,13 @@ def allocate(bids: Mapping[str, Bid], budget_w: float) -> dict[str, float]:
 def hold_small_moves(
     targets: Mapping[str, float], grants: Mapping[str, float], band_w: float
 ) -> dict[str, float]:
-    """The targets, except that a member whose target is within `band_w` of its grant keeps
-    its grant. Safe whatever it keeps: raises are paid only from unheld watts (book.py)."""
+    """The targets, except that a member whose target is under its grant by less than
+    `band_w` keeps its grant (a lower share cuts its batch). Raises are always made: a raise
+    held back would leave its watts in the pool, undrawn. Safe whatever it keeps: raises are
+    paid only from unheld watts (book.py)."""
     out = dict(targets)
     for k, w in targets.items():
         g = grants.get(k)
-        if g is not None and abs(w - g) < band_w:
+        if g is not None and 0.0 < g - w < band_w:
             out[k] = g
     return out
