@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from powerbatch.control.loop import ControlLoop
 from powerbatch.fleet import FleetSettings
 from powerbatch.fleet.lowering import LIMIT_SET_GRACE_S, MAX_S, Lowering, Meter
 from powerbatch.fleet.member import Lease
@@ -61,3 +64,25 @@ def test_a_renewal_reports_the_limit_in_force_not_the_lagging_meter() -> None:
     # The 297 W limit is in force: that bounds the draw, so the watts are free now.
     assert lease.using_w(0.5, 690.0, 650.0, limit_w=297.0) == pytest.approx(300.0)
     assert lease.using_w(2.5, 690.0, 650.0) == pytest.approx(300.0)  # no live lease: usable
+
+
+def test_the_loop_asks_for_the_lower_of_its_limit_and_the_falling_shares() -> None:
+    """The one hook in the control loop: a ceiling source may ask for a lower device limit."""
+
+    class Source:
+        def __init__(self, below: float | None) -> None:
+            self.below = below
+
+        def ceiling_w(self, t_s: float) -> float | None:
+            return 500.0
+
+        def device_limit_w(self, t_s: float) -> float | None:
+            return self.below
+
+    def request(below: float | None, limit: float | None) -> float | None:
+        host = SimpleNamespace(ceiling=Source(below))
+        return ControlLoop._limit_request_w(host, SimpleNamespace(power_limit_w=limit), 0.0)  # type: ignore[arg-type]
+
+    assert request(297.0, 495.0) == 297.0
+    assert request(None, 495.0) == 495.0
+    assert request(297.0, None) is None  # observing: no limit at all

@@ -287,6 +287,8 @@ class FleetMember:
                 "reallocations": self.reallocations,
                 "redis_error": self.redis_error,
                 "bid": dict(self.bid),
+                "ceiling_shown_w": self.lowering.ceiling_w,  # above share_w while it falls
+                "lower_limit_w": self.lowering.limit_w,  # the device limit asked for then
             }
         }
 
