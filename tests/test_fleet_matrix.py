@@ -59,10 +59,13 @@ def test_the_loads_are_what_each_case_says() -> None:
         ]
         assert len({tuple(s) for s in starts}) > 1
     total = sum(
-        p.sustain_rps(*fleet_matrix._means(fleet_matrix.output_median(moving, moving.plants())))
+        fleet_matrix.sustain_rps(p, fleet_matrix.output_median(moving, moving.plants()))
         * moving.peak_over_sustain
         for p in moving.plants()
     )
+    for case in fleet_matrix.reduced_cases():  # every plan ends (phase boundaries add up)
+        ns = fleet_matrix.case_args(a, case)
+        assert all(ns.plan_for(i, ns, 1) for i in range(case.members))
     assert total <= fleet_matrix.MAX_FLEET_RPS * 1.01  # answers lengthened to fit
 
 

@@ -95,7 +95,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--kill-member-at-s", type=float, default=40.0)
     p.add_argument("--kill-redis-at-s", type=float, default=65.0)
     p.add_argument("--redis-down-s", type=float, default=8.0)
-    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument(
+        "--arms",
+        default=None,
+        help=f"comma-separated, of {', '.join(ARMS)} (default: static,fleet,faults; matrix: "
+        "hwcap,fleet,fleet-admission)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=1, help="repeat r of every arm uses seed + r")
     p.add_argument(
@@ -646,4 +651,5 @@ def main(a: argparse.Namespace) -> int:
         return asyncio.run(run_matrix(a))
     a.duration_s = 90.0 if a.duration_s is None else a.duration_s
     a.out = Path("results/fleet") if a.out is None else a.out
+    a.arms = "static,fleet,faults" if a.arms is None else a.arms
     return asyncio.run(_bench(a))

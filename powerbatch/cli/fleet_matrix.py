@@ -41,6 +41,7 @@ from powerbatch.sim.gpu_model import (
 from powerbatch.sim.plants import METERS, Plant
 
 MATRIX_ARMS = ("hwcap", "fleet", "fleet-admission")
+REPORTED_ARMS = ("hwcap", "static", "fleet", "fleet-admission")  # `static`: by --arms only
 FULL_CASES = 24
 SETTLE_S = 6.0  # every arm waits this long before its load: past the proxies' 5-s warm-up
 MAX_FLEET_RPS = 36.0  # the whole fleet's peak arrivals: above it the load client binds
@@ -165,11 +166,20 @@ def full_cases(seed: int = 1) -> list[Case]:
     return out
 
 
+def sustain_rps(plant: Plant, output_median: float) -> float:
+    """About what a member serves at its split: `Plant.sustain_rps` where the split is over
+    one request's decode power; under it (a deep cap: every batch is throttled), that at just
+    over one request's power, scaled down by the split's share of it."""
+    floor = decode_power_w(plant.profile, 1) * 1.05
+    at = dataclasses.replace(plant, ceiling_w=max(plant.ceiling_w, floor))
+    return at.sustain_rps(*_means(output_median)) * min(1.0, plant.ceiling_w / at.ceiling_w)
+
+
 def output_median(case: Case, plants: list[Plant]) -> float:
     """Answers long enough that the fleet's peak arrivals stay under `MAX_FLEET_RPS`."""
     out = 180.0
     for _ in range(8):
-        peak = sum(case.peak_over_sustain * p.sustain_rps(*_means(out)) for p in plants)
+        peak = sum(case.peak_over_sustain * sustain_rps(p, out) for p in plants)
         if peak <= MAX_FLEET_RPS:
             break
         out = min(out * peak / MAX_FLEET_RPS, 1_000.0)
@@ -181,7 +191,16 @@ def _means(output: float) -> tuple[float, float]:
 
 
 def member_phases(case: Case, i: int, hot_rps: float, seed: int, duration_s: float) -> list[Phase]:
-    """Member i's rates over the run, as phases that cover it (none repeats)."""
+    """Member i's rates over the run, as phases that cover it (none repeats). Durations are
+    whole eighths of a second: exact in binary, so `LoadProfile.plan`'s phase boundaries add
+    up (with arbitrary floats a boundary can land a rounding short and the plan never ends)."""
+    return [
+        Phase(max(round(ph.duration_s * 8) / 8, 0.125), ph.rate_rps)
+        for ph in _phases(case, i, hot_rps, seed, duration_s)
+    ]
+
+
+def _phases(case: Case, i: int, hot_rps: float, seed: int, duration_s: float) -> list[Phase]:
     cold = hot_rps / case.hot_over_cold
     n, p = case.members, case.period_s
     rng = np.random.default_rng([seed, i, 7])
@@ -215,7 +234,7 @@ def plan_for(case: Case, out_median: float) -> Any:
 
     def plan(i: int, a: argparse.Namespace, seed: int) -> list[PlannedRequest]:
         plant = a.plants[i]
-        hot = case.peak_over_sustain * plant.sustain_rps(*_means(out_median))
+        hot = case.peak_over_sustain * sustain_rps(plant, out_median)
         phases = member_phases(case, i, hot, seed, a.duration_s)
         prof = LoadProfile(f"m{i}", tuple(phases), output_median=out_median, priority_mix=MIX)
         return [r for r in prof.plan(a.duration_s, seed * 100 + i) if r.t_s < a.duration_s]
@@ -241,7 +260,7 @@ def case_summary(case: Case, runs: dict[str, list[dict[str, Any]]]) -> dict[str,
     """The case's figures over its repeats."""
     out: dict[str, Any] = {"case": case.to_json()}
     base = runs.get("hwcap", [])
-    for arm in MATRIX_ARMS:
+    for arm in REPORTED_ARMS:
         rs = runs.get(arm, [])
         if not rs:
             continue
@@ -283,7 +302,8 @@ def table(summaries: list[dict[str, Any]]) -> str:
     head = (
         "| case | budget | goodput / static, limiter | … admission alone | s over budget "
         "(lim / adm) | power while queued / budget (static / lim / adm) | watts to hot spot, "
-        "median s (lim / adm) |\n|---|---|---|---|---|---|---|\n"
+        "median s (lim / adm) | fixed-ceiling proxies / static |\n"
+        "|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for s in summaries:
@@ -311,7 +331,8 @@ def table(summaries: list[dict[str, Any]]) -> str:
             f"| {c['name']} | {c['budget_w']:.0f} W | "
             f"{_fmt_ratio(lim.get('goodput_over_static', []))} | "
             f"{adm_ratio} | {over} | "
-            f"{pq(cap)} / {pq(lim)} / {pq(adm)} | {mv(lim)} / {mv(adm)} |"
+            f"{pq(cap)} / {pq(lim)} / {pq(adm)} | {mv(lim)} / {mv(adm)} | "
+            f"{_fmt_ratio(s.get('static', {}).get('goodput_over_static', []))} |"
         )
     return head + "\n".join(rows) + "\n"
 
@@ -391,19 +412,21 @@ async def run_matrix(a: argparse.Namespace) -> int:
         wanted = {x.strip() for x in a.cases.split(",")}
         cases = [c for i, c in enumerate(cases) if c.name in wanted or str(i) in wanted]
     a.out.mkdir(parents=True, exist_ok=True)
+    arms = [x.strip() for x in a.arms.split(",") if x.strip()] if a.arms else list(MATRIX_ARMS)
     summaries, raw = [], {}
     for case in cases:
         ns = case_args(a, case)
         runs: dict[str, list[dict[str, Any]]] = {}
         for rep in range(a.repeats):  # arms interleaved: a slow spell on the machine hits all
             seed = a.seed + rep
-            for arm in MATRIX_ARMS:
+            for arm in arms:
                 if arm == "fleet-admission" and not case.admission_can_hold():
                     continue
                 print(f"{case.name} {arm} seed {seed}", flush=True)
                 log = a.out / "logs" / case.name / f"{arm}-{seed}"
                 log.mkdir(parents=True, exist_ok=True)
                 run = await fleet_bench.run_arm(arm, ns, seed, log)
+                (log / "run.json").write_text(json.dumps(run))  # status rows, 1-s power
                 runs.setdefault(arm, []).append(run)
                 print(json.dumps(fleet_bench.brief(run)), flush=True)
         summaries.append(case_summary(case, runs))
