@@ -406,6 +406,17 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def write(
+    a: argparse.Namespace, summaries: list[dict[str, Any]], raw: dict[str, Any]
+) -> dict[str, Any]:
+    doc = {"args": {k: str(v) for k, v in vars(a).items() if k not in ("func", "plan_for")},
+           "overall": overall(summaries), "cases": summaries}  # fmt: skip
+    (a.out / "matrix.json").write_text(json.dumps(doc, indent=1))
+    (a.out / "runs.json").write_text(json.dumps(raw, indent=1))
+    (a.out / "table.md").write_text(table(summaries))
+    return doc
+
+
 async def run_matrix(a: argparse.Namespace) -> int:
     cases = reduced_cases() if a.matrix == "reduced" else full_cases(a.seed)
     if a.cases:
@@ -413,7 +424,9 @@ async def run_matrix(a: argparse.Namespace) -> int:
         cases = [c for i, c in enumerate(cases) if c.name in wanted or str(i) in wanted]
     a.out.mkdir(parents=True, exist_ok=True)
     arms = [x.strip() for x in a.arms.split(",") if x.strip()] if a.arms else list(MATRIX_ARMS)
-    summaries, raw = [], {}
+    summaries: list[dict[str, Any]] = []
+    raw: dict[str, Any] = {}
+    doc: dict[str, Any] = {}
     for case in cases:
         ns = case_args(a, case)
         runs: dict[str, list[dict[str, Any]]] = {}
@@ -432,13 +445,9 @@ async def run_matrix(a: argparse.Namespace) -> int:
         summaries.append(case_summary(case, runs))
         raw[case.name] = {arm: [fleet_bench.brief(r) for r in rs] for arm, rs in runs.items()}
         print(table(summaries[-1:]), flush=True)
-    doc = {"args": {k: str(v) for k, v in vars(a).items() if k != "func"},
-           "overall": overall(summaries), "cases": summaries}  # fmt: skip
-    (a.out / "matrix.json").write_text(json.dumps(doc, indent=1))
-    (a.out / "runs.json").write_text(json.dumps(raw, indent=1))
-    (a.out / "table.md").write_text(table(summaries))
+        doc = write(a, summaries, raw)  # after every case: a cut-short run keeps what it had
     plot(summaries, a.out / "matrix.png")
     print(table(summaries))
-    print(json.dumps(doc["overall"], indent=1))
+    print(json.dumps(doc.get("overall", {}), indent=1))
     print(f"wrote {a.out / 'matrix.json'}, runs.json, table.md and matrix.png")
     return 0
