@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+import pytest
 
 from powerbatch.cli import fleet_bench
 from powerbatch.cli.main import build_parser
@@ -67,3 +68,14 @@ def test_a_server_idle_since_its_last_step_reads_its_idle_draw() -> None:
     _, full = power_1s(fleet_bench.with_energy_now(trace, state), 0.0, 5.0)
     assert bare[-1] == 0.0  # what the trace alone says
     assert full[-1] == np.float64(idle_w)
+
+
+def test_a_server_with_no_step_in_the_run_reads_its_idle_draw() -> None:
+    from powerbatch.cli.report import power_1s
+
+    idle_w = 78.0
+    start = {"t_s": 0.0, "energy_j": 500.0}
+    end = {"t_s": 5.0, "energy_j": 500.0 + idle_w * 5.0}
+    empty: dict[str, list[float]] = {"t_s": [], "step_s": [], "energy_j": []}
+    _, p = power_1s(fleet_bench.with_energy_now(empty, end, start), 0.0, 5.0)
+    assert p == pytest.approx([idle_w] * 5)

@@ -295,6 +295,11 @@ async def run_arm(arm: str, a: argparse.Namespace, seed: int, log_dir: Path) -> 
         await asyncio.sleep(a.settle_s or 0.0)  # every arm alike: past a proxy's warm-up
         plan_for = getattr(a, "plan_for", None) or profile_for
         plans = [plan_for(i, a, seed) for i in range(n)]
+        starts = []  # each counter before the load: a server with no step in the run reads idle
+        async with aiohttp.ClientSession() as s:
+            for su in sim_urls:
+                async with s.get(f"{su}/sim/state") as r:
+                    starts.append(await r.json())
         t0 = time.monotonic()
         stop = asyncio.Event()
         poller = asyncio.create_task(
@@ -325,12 +330,12 @@ async def run_arm(arm: str, a: argparse.Namespace, seed: int, log_dir: Path) -> 
         await poller
         traces = []
         async with aiohttp.ClientSession() as s:
-            for su in sim_urls:
+            for su, start in zip(sim_urls, starts, strict=True):
                 async with s.get(f"{su}/sim/trace?since_s={t0 - 1}") as r:
                     trace = await r.json()
                 async with s.get(f"{su}/sim/state") as r:
                     state = await r.json()
-                traces.append(with_energy_now(trace, state))
+                traces.append(with_energy_now(trace, state, start))
     finally:
         for c in proxies:
             await c.stop()
@@ -344,11 +349,18 @@ async def run_arm(arm: str, a: argparse.Namespace, seed: int, log_dir: Path) -> 
     return out
 
 
-def with_energy_now(trace: dict[str, list[float]], state: dict[str, Any]) -> dict[str, list[float]]:
-    """The step trace with the energy counter read now appended: the trace has a row per step
-    only, so without it a server idle since its last step (a killed member's) would read 0 W
-    instead of its idle draw for the rest of the run."""
+def with_energy_now(
+    trace: dict[str, list[float]], state: dict[str, Any], start: dict[str, Any] | None = None
+) -> dict[str, list[float]]:
+    """The step trace with the energy counter read now appended (and, given, the one read
+    before the load prepended): the trace has a row per step only, so without them a server
+    idle since its last step (a killed member's), or for the whole run, would read 0 W or
+    nothing instead of its idle draw."""
     out = {k: list(trace[k]) for k in ("t_s", "step_s", "energy_j")}
+    if start is not None and (not out["t_s"] or float(start["t_s"]) < out["t_s"][0]):
+        out["t_s"].insert(0, float(start["t_s"]))
+        out["step_s"].insert(0, 0.0)
+        out["energy_j"].insert(0, float(start["energy_j"]))
     out["t_s"].append(float(state["t_s"]))
     out["step_s"].append(0.0)
     out["energy_j"].append(float(state["energy_j"]))
