@@ -19,7 +19,7 @@ from redis_server import RedisServer, redis_server  # noqa: F401 - the fixture
 
 from powerbatch.errors import ConfigError
 from powerbatch.fleet import Bid, FleetSettings, water_fill
-from powerbatch.fleet.allocate import hold_small_moves, marginal_value
+from powerbatch.fleet.allocate import allocate, hold_small_moves, marginal_value
 from powerbatch.fleet.member import FleetMember, MemberSignals
 
 BUDGET_W = 1000.0
@@ -58,11 +58,12 @@ def test_water_fill_spreads_spare_watts_and_scales_infeasible_minima() -> None:
 
 
 def test_small_moves_are_held_and_large_ones_made() -> None:
-    """A lower share cuts a member's batch; one a few watts lower buys nobody anything."""
+    """A lower share cuts a member's batch; one a few watts lower buys nobody anything. A
+    raise held back would leave watts undrawn."""
     targets = {"hot": 690.0, "a": 380.0, "b": 330.0, "c": 400.0}
     grants = {"hot": 680.0, "a": 395.0, "b": 420.0, "c": 300.0}
     held = hold_small_moves(targets, grants, band_w=45.0)
-    assert held == {"hot": 680.0, "a": 395.0, "b": 330.0, "c": 400.0}
+    assert held == {"hot": 690.0, "a": 395.0, "b": 330.0, "c": 400.0}  # raises always made
     assert hold_small_moves(targets, {}, band_w=45.0) == targets  # no grant yet: the target
 
 
@@ -186,7 +187,7 @@ def test_a_killed_members_watts_are_reused_within_a_ttl(
     async def body() -> None:
         async with Fleet(redis_server.url, 4) as fleet:
             for k in fleet.want:
-                fleet.want[k] = 900.0 if k == "m3" else 400.0
+                fleet.want[k] = 900.0 if k == "m3" else 100.0
             await async_wait_until(
                 lambda: fleet.members["m3"].usable_w() > 300, 8, "m3 hot before it dies"
             )
@@ -388,7 +389,10 @@ def test_lua_raises_only_from_confirmed_watts_and_only_for_the_leader(
             await renew("b", 250.0)  # b renews while still on 250: nothing freed
             await allocate("a", a=800.0, b=200.0)
             assert await grant("a") == 750.0
+            assert await renew("a", 750.0) == 750.0  # nor at a's own renewal
             await renew("b", 200.0)  # b confirms 200
+            assert await renew("a", 750.0) == 800.0  # a's renewal pays the rest of its target
+            assert await held_total_w(redis_server.url, "lua") <= 1000.0
             await allocate("a", a=800.0, b=200.0)
             assert await grant("a") == 800.0
             assert await held_total_w(redis_server.url, "lua") <= 1000.0
@@ -482,3 +486,47 @@ def test_serve_build_makes_the_member_the_loops_ceiling_and_status_shows_it() ->
     assert member.ceiling_w(0.0) == 1.0  # nothing leased yet: the minimum, not the budget
     _, plain = build(load(SERVE, environ={}, overrides={**overrides, "fleet_budget": None}), "dcgm")
     assert plain.loop.ceiling is None and "fleet" not in plain.status()
+
+
+# -- the law: fair floors, the surplus where it is used -------------------------------------
+
+
+def test_no_member_with_work_waiting_gets_less_than_a_static_split() -> None:
+    """Four members, 1300 W: one hot and needy, one cold but needy (held at its limit), two
+    drawing little. The two give up what they do not draw; the surplus goes to the needy."""
+    bids = {
+        "hot": Bid(0.4, 700.0, 200.0, 700.0, needy=True),
+        "held": Bid(0.02, 700.0, 200.0, 700.0, needy=True),
+        "a": Bid(0.01, 230.0, 200.0, 700.0),  # draws 200 W; wants that and headroom
+        "b": Bid(0.0, 0.0, 200.0, 700.0),  # idle: its minimum
+    }
+    shares = allocate(bids, 1300.0)
+    assert sum(shares.values()) == pytest.approx(1300.0)
+    assert shares["a"] == pytest.approx(230.0) and shares["b"] == pytest.approx(200.0)
+    assert shares["held"] >= 1300.0 / 4 - 1e-6  # never under the static split with work
+    assert shares["hot"] > shares["held"]  # the surplus by value
+    assert shares["hot"] <= 700.0 + 1e-9
+
+
+def test_watts_nobody_needs_go_to_the_needy_first_and_minima_are_kept() -> None:
+    bids = {
+        "hot": Bid(1.0, 500.0, 100.0, 900.0, needy=True),  # wants 500, can take 900
+        "cold": Bid(0.1, 150.0, 100.0, 900.0),
+    }
+    shares = allocate(bids, 1000.0)
+    assert shares["cold"] == pytest.approx(150.0)  # its need; the rest is used elsewhere
+    assert shares["hot"] == pytest.approx(850.0)
+    calm = allocate({k: Bid(0.1, 150.0, 100.0, 900.0) for k in "ab"}, 1000.0)
+    assert calm == pytest.approx({"a": 500.0, "b": 500.0})  # nobody needy: spread evenly
+    tight = allocate({k: Bid(1.0, 900.0, 400.0, 900.0, needy=True) for k in "abc"}, 1000.0)
+    assert sum(tight.values()) == pytest.approx(1000.0)  # minima over the budget: scaled
+    mixed = allocate(
+        {
+            "big": Bid(1.0, 2800.0, 800.0, 2800.0, needy=True),  # a 4-GPU set's lowest limit
+            "s1": Bid(1.0, 700.0, 200.0, 700.0, needy=True),
+            "s2": Bid(1.0, 700.0, 200.0, 700.0, needy=True),
+        },
+        1500.0,
+    )
+    assert mixed["big"] == pytest.approx(800.0)  # its minimum, above the 500 W split
+    assert mixed["s1"] == pytest.approx(350.0) and sum(mixed.values()) == pytest.approx(1500.0)

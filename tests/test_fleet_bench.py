@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+import pytest
 
 from powerbatch.cli import fleet_bench
 from powerbatch.cli.main import build_parser
@@ -14,16 +15,15 @@ def args(*extra: str) -> argparse.Namespace:
     return build_parser().parse_args(["fleet-bench", *extra])
 
 
-def test_shares_are_bounded_by_what_the_gpus_limit_can_enforce() -> None:
+def test_members_take_their_share_bounds_from_their_devices_unless_told() -> None:
     a = args()
-    lo, hi = fleet_bench.share_bounds_w(a)
-    assert (lo, hi) == (200.0, 700.0)  # the simulated H100's lowest power limit and its TDP
-    assert fleet_bench.share_bounds_w(args("--min-share-w", "480", "--budget-w", "600")) == (
-        480.0,
-        600.0,
-    )
     proxy = fleet_bench.proxy_args(a, 0, "fleet", "http://s", 1, 2, fleet_bench.Path("/tmp"))
-    assert "--power-limiter" in proxy and "--fleet-min-share-w" in proxy
+    assert "--power-limiter" in proxy and "--fleet-budget" in proxy
+    assert "--fleet-min-share-w" not in proxy and "--fleet-max-share-w" not in proxy
+    told = fleet_bench.proxy_args(
+        args("--min-share-w", "480"), 0, "fleet", "http://s", 1, 2, fleet_bench.Path("/tmp")
+    )
+    assert told[told.index("--fleet-min-share-w") + 1] == "480.0"
     static = fleet_bench.proxy_args(a, 0, "static", "http://s", 1, 2, fleet_bench.Path("/tmp"))
     assert "--power-limiter" in static and "--fleet-budget" not in static  # same actuator
     plain = fleet_bench.proxy_args(
@@ -68,3 +68,14 @@ def test_a_server_idle_since_its_last_step_reads_its_idle_draw() -> None:
     _, full = power_1s(fleet_bench.with_energy_now(trace, state), 0.0, 5.0)
     assert bare[-1] == 0.0  # what the trace alone says
     assert full[-1] == np.float64(idle_w)
+
+
+def test_a_server_with_no_step_in_the_run_reads_its_idle_draw() -> None:
+    from powerbatch.cli.report import power_1s
+
+    idle_w = 78.0
+    start = {"t_s": 0.0, "energy_j": 500.0}
+    end = {"t_s": 5.0, "energy_j": 500.0 + idle_w * 5.0}
+    empty: dict[str, list[float]] = {"t_s": [], "step_s": [], "energy_j": []}
+    _, p = power_1s(fleet_bench.with_energy_now(empty, end, start), 0.0, 5.0)
+    assert p == pytest.approx([idle_w] * 5)

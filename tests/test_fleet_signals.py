@@ -8,10 +8,13 @@ from typing import Any
 
 import pytest
 
+from powerbatch.control.latency import LatencySnapshot
 from powerbatch.control.loop import TickRecord
 from powerbatch.estimate import Features
-from powerbatch.fleet import Bid, water_fill
-from powerbatch.fleet.signals import DEMAND_TAU_S, LoopSignals
+from powerbatch.fleet import Bid, FleetSettings
+from powerbatch.fleet.allocate import allocate
+from powerbatch.fleet.member import share_bounds_w
+from powerbatch.fleet.signals import DEMAND_TAU_S, GIVE_FRAC, HEADROOM_FRAC, LoopSignals
 
 DECODE_TOK_S_PER_REQUEST = 60.0
 DEVICE_MAX_W = 700.0
@@ -36,6 +39,9 @@ def loop(
     power_w: float,
     limit_w: float | None,
     model: LinearModel,
+    bounds: tuple[float, float] | None = (200.0, DEVICE_MAX_W),
+    max_w: float | None = None,
+    ttft_p95_s: float | None = None,
 ) -> Any:
     batch = float(in_flight)
     rec = TickRecord(
@@ -48,9 +54,15 @@ def loop(
     )  # fmt: skip
     return SimpleNamespace(
         history=[rec],
-        controller=SimpleNamespace(config=SimpleNamespace(min_batch=1)),
+        controller=SimpleNamespace(
+            config=SimpleNamespace(min_batch=1, max_w=max_w, ttft_slo_s=2.0, tpot_slo_s=0.1)
+        ),
+        features=SimpleNamespace(
+            latency=lambda t: LatencySnapshot(ttft_p95_s, 0.02, {}, 10)  # TPOT well inside
+        ),
+        clock=lambda: t_s,
         predict_w=lambda f: model.predict_one(f)[0],  # ControlLoop.predict_w
-        device_limit_bounds_w=lambda: (200.0, DEVICE_MAX_W),  # a limiter holds the device
+        device_limit_bounds_w=lambda: bounds,  # a limiter holds the device (None: none)
     )
 
 
@@ -59,46 +71,56 @@ def test_a_member_held_at_its_limit_with_work_wants_what_the_device_allows() -> 
     about what the member already has, which would keep a hot member at its share for good."""
     taught_at_cap = LinearModel(base_w=540.0, slope_w=1.0)  # says 50 requests draw 590 W
     sig = LoopSignals(
-        loop(in_flight=40, queued=10, power_w=596.0, limit_w=594.0, model=taught_at_cap)
+        loop(in_flight=40, queued=20, power_w=596.0, limit_w=594.0, model=taught_at_cap)
     )()
-    assert sig.want_w == pytest.approx(DEVICE_MAX_W)
+    assert sig.want_w == pytest.approx(DEVICE_MAX_W) and sig.needy
     free = LoopSignals(
-        loop(in_flight=40, queued=10, power_w=500.0, limit_w=594.0, model=taught_at_cap)
+        loop(in_flight=40, queued=20, power_w=500.0, limit_w=594.0, model=taught_at_cap)
     )()
-    assert free.want_w == pytest.approx(590.0)  # under its limit the meter is the demand's
+    assert free.want_w == pytest.approx(600.0)  # under its limit: the model's 60 requests
 
 
 def test_value_is_demand_per_watt_of_want_so_a_backlog_outbids_a_trickle() -> None:
     """Tokens per watt of the model's slope made a cold member with a flat curve outbid the hot
     one; requests per watt of want put the watts where the requests are."""
     model = LinearModel(base_w=300.0, slope_w=2.0)
-    hot = LoopSignals(loop(in_flight=40, queued=10, power_w=500.0, limit_w=None, model=model))()
+    hot = LoopSignals(loop(in_flight=40, queued=20, power_w=500.0, limit_w=None, model=model))()
     cold = LoopSignals(loop(in_flight=3, queued=0, power_w=306.0, limit_w=None, model=model))()
-    assert hot.value_per_w == pytest.approx(2 * 50 / 400.0)
-    assert cold.value_per_w == pytest.approx(2 * 3 / 306.0)
+    assert hot.value_per_w == pytest.approx(2 * 60 / 420.0)
+    assert cold.value_per_w == pytest.approx(2 * 3 / (306.0 * (1 + HEADROOM_FRAC)))
+    assert hot.needy and not cold.needy  # nothing waits on the cold one: it wants its draw
     assert hot.value_per_w > 5 * cold.value_per_w
     idle = LoopSignals(loop(in_flight=0, queued=0, power_w=80.0, limit_w=None, model=model))()
     assert idle.value_per_w == 0.0
 
 
-def test_the_held_hot_member_gets_near_its_maximum_and_the_cold_ones_split_the_rest() -> None:
-    """Four members, 1800 W, shares 200-700 W: the hot one, held at 600 W with 50 requests, and
-    three cold ones held at 400 W with 3 each, their models taught near their caps."""
+def test_the_held_hot_member_gets_near_its_maximum_and_the_cold_ones_give_what_they_can() -> None:
+    """Four members, 1800 W, shares 200-700 W: the hot one, held at 600 W with 60 requests, and
+    three cold ones held at 400 W with 3 each, their models taught near their caps. The cold
+    ones meet their SLOs with room to spare, so they give; at risk, they would not."""
     hot_model, cold_model = LinearModel(540.0, 1.0), LinearModel(380.0, 1.0)
     hot = LoopSignals(
-        loop(in_flight=40, queued=10, power_w=596.0, limit_w=594.0, model=hot_model)
+        loop(in_flight=40, queued=20, power_w=596.0, limit_w=594.0, model=hot_model)
     )()
     cold = LoopSignals(
         loop(in_flight=3, queued=0, power_w=395.0, limit_w=396.0, model=cold_model)
     )()
+    assert not cold.needy and cold.want_w == pytest.approx(395.0 * (1 - GIVE_FRAC))
     hot_w, cold_w = 3.1, 1.07  # the member's class weights: 70 % / 10 % high class
-    bids = {"hot": Bid(hot.value_per_w * hot_w, hot.want_w, 200.0, 700.0)}
+    bids = {"hot": Bid(hot.value_per_w * hot_w, hot.want_w, 200.0, 700.0, hot.needy)}
     for k in ("c1", "c2", "c3"):
-        bids[k] = Bid(cold.value_per_w * cold_w, cold.want_w, 200.0, 700.0)
-    shares = water_fill(bids, 1800.0)
+        bids[k] = Bid(cold.value_per_w * cold_w, cold.want_w, 200.0, 700.0, cold.needy)
+    shares = allocate(bids, 1800.0)
     assert shares["hot"] > 690.0
     assert shares["c1"] == pytest.approx(shares["c3"])
     assert sum(shares.values()) == pytest.approx(1800.0)
+    late = LoopSignals(
+        loop(in_flight=3, queued=0, power_w=395.0, limit_w=396.0, model=cold_model, ttft_p95_s=1.5)
+    )()
+    assert late.needy and late.want_w == pytest.approx(DEVICE_MAX_W)  # its SLO is at risk
+    bids = {k: Bid(late.value_per_w, late.want_w, 200.0, 700.0, True) for k in ("c1", "c2", "c3")}
+    bids["hot"] = Bid(hot.value_per_w * hot_w, hot.want_w, 200.0, 700.0, True)
+    assert min(allocate(bids, 1800.0).values()) >= 450.0 - 1e-6  # none under a static split
 
 
 def test_the_demand_bid_rises_at_once_and_falls_slowly() -> None:
@@ -113,9 +135,39 @@ def test_the_demand_bid_rises_at_once_and_falls_slowly() -> None:
     ).history[-1]
     later = sig()
     kept = 6 * math.exp(-1.0 / DEMAND_TAU_S)
-    assert later.value_per_w == pytest.approx(2 * kept / (300.0 + 2.0 * kept))
+    room = 1 + HEADROOM_FRAC  # nothing queued: its draw (or model) plus headroom
+    assert later.value_per_w == pytest.approx(2 * kept / ((300.0 + 2.0 * kept) * room))
     assert 0 < later.value_per_w < first.value_per_w
     sig.loop.history[-1] = loop(
         t_s=12.0, in_flight=20, queued=0, power_w=400.0, limit_w=None, model=model
     ).history[-1]
-    assert sig().value_per_w == pytest.approx(2 * 20 / 340.0)
+    assert sig().value_per_w == pytest.approx(2 * 20 / (400.0 * room))  # the meter's 400 W
+
+
+def test_the_default_bounds_are_what_the_member_can_honour() -> None:
+    """Unset bounds: with a limiter, the device's limit range; without, one request's power up
+    to the GPUs' highest draw. A setting narrows them; none widens them."""
+    model = LinearModel(base_w=450.0, slope_w=2.0)
+    settings = FleetSettings(fleet_budget="b", fleet_budget_w=1300.0)
+    limited = LoopSignals(loop(in_flight=3, queued=0, power_w=300.0, limit_w=320.0, model=model))()
+    assert share_bounds_w(settings, limited) == (200.0, DEVICE_MAX_W)
+    alone = LoopSignals(
+        loop(
+            in_flight=3,
+            queued=0,
+            power_w=460.0,
+            limit_w=None,
+            model=model,
+            bounds=None,
+            max_w=DEVICE_MAX_W,
+        )
+    )()
+    assert share_bounds_w(settings, alone) == (pytest.approx(452.0), DEVICE_MAX_W)
+    told = FleetSettings(
+        fleet_budget="b", fleet_budget_w=1300.0, fleet_min_share_w=250, fleet_max_share_w=600
+    )
+    assert share_bounds_w(told, limited) == (250.0, 600.0)
+    unknown = LoopSignals(
+        loop(in_flight=0, queued=0, power_w=80.0, limit_w=None, model=model, bounds=None)
+    )()
+    assert share_bounds_w(settings, unknown)[1] == 1300.0  # nothing known: the budget

@@ -12,9 +12,10 @@ Calibration, and why. A share is only a share if the server can hold it. On the 
 (Llama-3.1-8B) decoding a single request draws about 480 W and anything less is idle (78 W):
 admission alone cannot hold a ceiling in between. So by default every proxy also sets its
 GPU's power limit (through the simulator's zeusd API, as `powerbatch bench`'s `powerbatch` arm
-does), both arms alike, and a member's share is kept within what that limit can enforce: at
-least the lowest limit the GPU accepts, at most its TDP. Without `--limiter` a share is held by
-admission alone, and `--min-share-w` should then be the one-request decode power.
+does), both arms alike, and each member keeps its share within what that limit can enforce (at
+least the lowest limit the GPU accepts, at most its TDP) by itself, from the limiter's
+constraints. Without `--limiter` a share is held by admission alone, and the member asks for no
+less than its one-request power.
 
 Processes: the N simulators share one process (`powerbatch.cli.fleet_sims`: a late step is
 counted as idle, never as power); each proxy, the member under test, is its own process, so a
@@ -39,18 +40,22 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from powerbatch.cli.bench import serve_args
 from powerbatch.cli.process import Child, free_port
 from powerbatch.cli.report import power_1s
 from powerbatch.cli.stack import add_dcgm_interval_argument, add_slo_arguments, exporter_metric
 from powerbatch.load import LoadProfile, run_load
 from powerbatch.load.client import RequestResult
 from powerbatch.load.profile import Phase, PlannedRequest
-from powerbatch.sim.gpu_model import PROFILES
+from powerbatch.sim.gpu_model import DEFAULT_KV_CAPACITY_TOKENS, PROFILES
+from powerbatch.sim.plants import Plant
 
 HIGH = {"high": 0.7, "normal": 0.3, "low": 0.0}
 COLD = {"high": 0.1, "normal": 0.6, "low": 0.3}
-ARMS = ("static", "fleet", "faults")
+ARMS = ("static", "fleet", "faults", "hwcap", "fleet-admission")
+PROXIED_LIMITED = ("static", "fleet", "faults")  # with --limiter, these set the device limit
 POLL_S = 0.5
+OVER_TOLERANCE = 1e-9  # a hardware cap draws exactly its limit: float rounding is not a breach
 SHARE_STEP_FRAC = 0.1  # a share that moves by more than this fraction of budget/N: reallocation
 
 
@@ -58,7 +63,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser("fleet-bench", help="one power budget over N simulated servers")
     p.add_argument("--members", type=int, default=4)
     p.add_argument("--budget-w", type=float, default=1800.0)
-    p.add_argument("--duration-s", type=float, default=90.0)
+    p.add_argument(
+        "--duration-s", type=float, default=None, help="load length (default 90 s; matrix: 20 s)"
+    )
     p.add_argument("--hot-period-s", type=float, default=30.0)
     p.add_argument("--hot-rps", type=float, default=9.0)
     p.add_argument("--cold-rps", type=float, default=1.5)
@@ -76,30 +83,44 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--min-share-w",
         type=float,
         default=None,
-        help="a member's smallest share (default: the GPU's lowest power limit)",
+        help="a member's smallest share (default: unset, the member's own: its GPU's lowest "
+        "power limit, or one request's power without a limiter)",
     )
     p.add_argument(
         "--max-share-w",
         type=float,
         default=None,
-        help="a member's largest share (default: the GPU's TDP, or the budget if less)",
+        help="a member's largest share (default: unset, the member's own: its GPU's TDP)",
     )
     p.add_argument("--kill-member-at-s", type=float, default=40.0)
     p.add_argument("--kill-redis-at-s", type=float, default=65.0)
     p.add_argument("--redis-down-s", type=float, default=8.0)
-    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument(
+        "--arms",
+        default=None,
+        help=f"comma-separated, of {', '.join(ARMS)} (default: static,fleet,faults; matrix: "
+        "hwcap,fleet,fleet-admission)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=1, help="repeat r of every arm uses seed + r")
-    p.add_argument("--out", type=Path, default=Path("results/fleet"))
+    p.add_argument(
+        "--drain-timeout-s", type=float, default=20.0, help="wait this long for answers after"
+    )
+    p.add_argument("--out", type=Path, default=None, help="default results/fleet[-matrix]")
+    p.add_argument(
+        "--matrix",
+        choices=("reduced", "full"),
+        default=None,
+        help="run the scenario matrix (powerbatch.cli.fleet_matrix) instead of one fleet",
+    )
+    p.add_argument("--cases", default="", help="matrix: only these cases (names or indices)")
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=None,
+        help="wait this long after start-up before the load, every arm (default 0; matrix 6)",
+    )
     p.set_defaults(func=main)
-
-
-def share_bounds_w(a: argparse.Namespace) -> tuple[float, float]:
-    """A member's share bounds: what its GPU's power limit can enforce (unless given)."""
-    prof = PROFILES[a.gpu]
-    lo = a.min_share_w if a.min_share_w is not None else prof.min_limit_w_per_gpu * prof.num_gpus
-    hi = a.max_share_w if a.max_share_w is not None else min(prof.tdp_w, a.budget_w)
-    return lo, hi
 
 
 def hot_member(t_s: float, a: argparse.Namespace) -> int:
@@ -124,9 +145,27 @@ def profile_for(i: int, a: argparse.Namespace, seed: int) -> list[PlannedRequest
 
 
 async def _poll(
-    urls: list[str], t0: float, rows: list[dict[str, Any]], stop: asyncio.Event
+    urls: list[str],
+    sim_urls: list[str],
+    t0: float,
+    rows: list[dict[str, Any]],
+    sim_rows: list[dict[str, Any]],
+    stop: asyncio.Event,
 ) -> None:
+    """Every `POLL_S`: each proxy's /status (share, power, limit, batch, queue, bid) and each
+    simulator's queue (`sim` rows: requests waiting in the engine, for the arms without one)."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as s:
+
+        async def sim(i: int, u: str) -> None:
+            try:
+                async with s.get(u + "/sim/state") as resp:
+                    doc = await resp.json()
+            except Exception:
+                return
+            sim_rows.append(
+                {"t_s": time.monotonic() - t0, "member": i,
+                 "sim_waiting": doc.get("waiting"), "sim_running": doc.get("running")}
+            )  # fmt: skip
 
         async def one(i: int, u: str) -> None:
             try:
@@ -157,7 +196,10 @@ async def _poll(
             )
 
         while not stop.is_set():
-            await asyncio.gather(*(one(i, u) for i, u in enumerate(urls)))
+            await asyncio.gather(
+                *(one(i, u) for i, u in enumerate(urls)),
+                *(sim(i, u) for i, u in enumerate(sim_urls)),
+            )
             await asyncio.sleep(POLL_S)
 
 
@@ -169,26 +211,47 @@ def _start_redis(port: int, log_dir: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen([*argv, "--appendonly", "no"], stdout=log, stderr=log)
 
 
+def member_plants(a: argparse.Namespace) -> list[Plant]:
+    """Each member's simulated GPU set and meter: the matrix's (`a.plants`), else N of `--gpu`
+    on the `--dcgm-interval-s` meter."""
+    plants: list[Plant] | None = getattr(a, "plants", None)
+    if plants:
+        return plants
+    meter = "instant" if a.dcgm_interval_s <= 0 else "mean-1s"
+    prof = PROFILES[a.gpu]
+    return [Plant(prof, a.budget_w / a.members, DEFAULT_KV_CAPACITY_TOKENS, meter, {})] * a.members
+
+
+def split_limit_w(plant: Plant, budget_w: float, n: int) -> float:
+    """A static split's hardware cap: budget / N, within what the GPU set accepts."""
+    prof = plant.profile
+    lo = prof.min_limit_w_per_gpu * prof.num_gpus
+    return min(max(budget_w / n, lo), prof.tdp_w)
+
+
 def proxy_args(
     a: argparse.Namespace, i: int, arm: str, sim_url: str, port: int, redis_port: int, log: Path
 ) -> list[str]:
     n = a.members
+    plant = member_plants(a)[i]
+    meter = exporter_metric(plant.dcgm_interval_s)
     args = ["serve", "--upstream", sim_url, "--port", str(port), "--power-source", "dcgm",
-            "--dcgm-url", sim_url + "/metrics", "--dcgm-metric",
-            exporter_metric(a.dcgm_interval_s), "--ceiling-w", str(a.budget_w / n),
-            "--ttft-slo-s", str(a.ttft_slo_s), "--tpot-slo-s", str(a.tpot_slo_s),
-            "--log-level", "warning"]  # fmt: skip
-    if a.limiter:
+            "--dcgm-url", sim_url + "/metrics", "--dcgm-metric", meter,
+            *serve_args(plant.profile.num_gpus, a.budget_w / n, a)]  # fmt: skip
+    if a.limiter and arm in PROXIED_LIMITED:
         args += ["--power-limiter", "zeusd", "--zeusd-url", sim_url,
                  "--limit-state-dir", str(log / f"limits{i}")]  # fmt: skip
     if arm != "static":
-        lo, hi = share_bounds_w(a)
         args += ["--fleet-budget", "bench", "--fleet-budget-w", str(a.budget_w),
                  "--fleet-redis-url", f"redis://127.0.0.1:{redis_port}/0",
                  "--fleet-members", str(n), "--fleet-member-id", f"m{i}",
-                 "--fleet-lease-ttl-s", str(a.lease_ttl_s),
-                 "--fleet-publish-interval-s", str(a.lease_ttl_s / 3),
-                 "--fleet-min-share-w", str(lo), "--fleet-max-share-w", str(hi)]  # fmt: skip
+                 "--fleet-lease-ttl-s", str(a.lease_ttl_s)]  # fmt: skip
+        # Unset, a member takes its bounds from its device (or its admission): the defaults
+        # are what is measured.
+        if a.min_share_w is not None:
+            args += ["--fleet-min-share-w", str(a.min_share_w)]
+        if a.max_share_w is not None:
+            args += ["--fleet-max-share-w", str(a.max_share_w)]
     return args
 
 
@@ -197,32 +260,53 @@ async def run_arm(arm: str, a: argparse.Namespace, seed: int, log_dir: Path) -> 
     redis_port = free_port()
     sim_ports = [free_port() for _ in range(n)]
     sim_urls = [f"http://127.0.0.1:{p}" for p in sim_ports]
+    plants = member_plants(a)
+    files = []
+    for i, plant in enumerate(plants):
+        files.append(log_dir / f"plant{i}.json")
+        files[-1].write_text(plant.dumps())
     sim_args = ["-m", "powerbatch.cli.fleet_sims", "--ports", ",".join(map(str, sim_ports)),
-                "--seeds", ",".join(str(seed + i) for i in range(n)), "--profile", a.gpu,
+                "--seeds", ",".join(str(seed + i) for i in range(n)),
                 "--stream-interval-tokens", "8",
-                "--dcgm-interval-s", str(a.dcgm_interval_s)]  # fmt: skip
+                "--plant-files", ",".join(map(str, files))]  # fmt: skip
+    if arm == "hwcap":  # no proxy: each GPU set capped at its split, as an operator would
+        limits = [split_limit_w(pl, a.budget_w, n) for pl in plants]
+        sim_args += ["--power-limits-w", ",".join(f"{w:.1f}" for w in limits)]
     sims = Child("sims", sim_args, log_dir, command=(sys.executable,))
     proxies, urls = [], []
     for i in range(n):
+        if arm == "hwcap":
+            urls.append(sim_urls[i])
+            continue
         pp = free_port()
         args = proxy_args(a, i, arm, sim_urls[i], pp, redis_port, log_dir)
         proxies.append(Child(f"proxy{i}", args, log_dir))
         urls.append(f"http://127.0.0.1:{pp}")
     redis_procs: list[subprocess.Popen[bytes]] = []
-    if arm != "static":
+    if arm not in ("static", "hwcap"):
         redis_procs.append(_start_redis(redis_port, log_dir))
     events: dict[str, float] = {}
     rows: list[dict[str, Any]] = []
+    sim_rows: list[dict[str, Any]] = []
     try:
         await sims.start(sim_urls[0] + "/health")
-        for c, u in zip(proxies, urls, strict=True):
+        for c, u in zip(proxies, urls[: len(proxies)], strict=True):
             await c.start(u + "/ready")
-        plans = [profile_for(i, a, seed) for i in range(n)]
+        await asyncio.sleep(a.settle_s or 0.0)  # every arm alike: past a proxy's warm-up
+        plan_for = getattr(a, "plan_for", None) or profile_for
+        plans = [plan_for(i, a, seed) for i in range(n)]
+        starts = []  # each counter before the load: a server with no step in the run reads idle
+        async with aiohttp.ClientSession() as s:
+            for su in sim_urls:
+                async with s.get(f"{su}/sim/state") as r:
+                    starts.append(await r.json())
         t0 = time.monotonic()
         stop = asyncio.Event()
-        poller = asyncio.create_task(_poll(urls, t0, rows, stop))
+        poller = asyncio.create_task(
+            _poll(urls if proxies else [], sim_urls, t0, rows, sim_rows, stop)
+        )
         loads = [
-            asyncio.create_task(run_load(u, p, drain_timeout_s=20))
+            asyncio.create_task(run_load(u, p, drain_timeout_s=a.drain_timeout_s))
             for u, p in zip(urls, plans, strict=True)
         ]
 
@@ -246,12 +330,12 @@ async def run_arm(arm: str, a: argparse.Namespace, seed: int, log_dir: Path) -> 
         await poller
         traces = []
         async with aiohttp.ClientSession() as s:
-            for su in sim_urls:
+            for su, start in zip(sim_urls, starts, strict=True):
                 async with s.get(f"{su}/sim/trace?since_s={t0 - 1}") as r:
                     trace = await r.json()
                 async with s.get(f"{su}/sim/state") as r:
                     state = await r.json()
-                traces.append(with_energy_now(trace, state))
+                traces.append(with_energy_now(trace, state, start))
     finally:
         for c in proxies:
             await c.stop()
@@ -260,16 +344,23 @@ async def run_arm(arm: str, a: argparse.Namespace, seed: int, log_dir: Path) -> 
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
-    out = summarize(arm, a, t0, traces, results, rows, events)
+    out = summarize(arm, a, t0, traces, results, rows, events, sim_rows)
     out["seed"] = seed
     return out
 
 
-def with_energy_now(trace: dict[str, list[float]], state: dict[str, Any]) -> dict[str, list[float]]:
-    """The step trace with the energy counter read now appended: the trace has a row per step
-    only, so without it a server idle since its last step (a killed member's) would read 0 W
-    instead of its idle draw for the rest of the run."""
+def with_energy_now(
+    trace: dict[str, list[float]], state: dict[str, Any], start: dict[str, Any] | None = None
+) -> dict[str, list[float]]:
+    """The step trace with the energy counter read now appended (and, given, the one read
+    before the load prepended): the trace has a row per step only, so without them a server
+    idle since its last step (a killed member's), or for the whole run, would read 0 W or
+    nothing instead of its idle draw."""
     out = {k: list(trace[k]) for k in ("t_s", "step_s", "energy_j")}
+    if start is not None and (not out["t_s"] or float(start["t_s"]) < out["t_s"][0]):
+        out["t_s"].insert(0, float(start["t_s"]))
+        out["step_s"].insert(0, 0.0)
+        out["energy_j"].insert(0, float(start["energy_j"]))
     out["t_s"].append(float(state["t_s"]))
     out["step_s"].append(0.0)
     out["energy_j"].append(float(state["energy_j"]))
@@ -291,11 +382,13 @@ def summarize(
     results: list[list[RequestResult]],
     rows: list[dict[str, Any]],
     events: dict[str, float],
+    sim_rows: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     per = [power_1s(tr, t0, t0 + a.duration_s)[1] for tr in traces]
     k = min(len(p) for p in per)
     total = np.sum([p[:k] for p in per], axis=0)
-    over = total > a.budget_w
+    over = total > a.budget_w * (1 + OVER_TOLERANCE)
+    queued = queued_seconds(rows, sim_rows or [], k)
     good = 0
     hot_good = 0
     hot_ttft: list[float] = []
@@ -312,7 +405,7 @@ def summarize(
                 by_window[w, i, 0] += 1
             if hot and r.priority == "high" and r.ok and r.ttft_s is not None:
                 hot_ttft.append(r.ttft_s)
-    windows = reallocation_windows(rows, a) if arm != "static" else []
+    windows = reallocation_windows(rows, a) if arm not in ("static", "hwcap") else []
     during = seconds_in(windows, k)
     out: dict[str, Any] = {
         "arm": arm,
@@ -321,6 +414,10 @@ def summarize(
         "seconds_over_budget": int(over.sum()),
         "max_total_w": float(total.max()),
         "mean_total_w": float(total.mean()),
+        "queued_seconds": int(queued.sum()),
+        "power_while_queued_over_budget": (
+            float(total[queued].mean() / a.budget_w) if queued.any() else None
+        ),
         "reallocation_seconds": int(during.sum()),
         "seconds_over_budget_during_reallocation": int((over & during).sum()),
         "goodput_rps": good / a.duration_s,
@@ -334,9 +431,24 @@ def summarize(
         "member_w": [p[:k].tolist() for p in per],
         "status_rows": rows,
     }
-    if arm != "static":
+    if arm not in ("static", "hwcap"):
         out.update(fleet_figures(a, rows, events, total))
     return out
+
+
+def queued_seconds(
+    rows: list[dict[str, Any]], sim_rows: list[dict[str, Any]], n_seconds: int
+) -> np.ndarray[Any, Any]:
+    """Whole seconds in which some member had work waiting: in its proxy's queue or, where a
+    server has no proxy (or its batch is full), in its engine's."""
+    mask = np.zeros(n_seconds, bool)
+    for r in rows:
+        if (r.get("queued") or 0) > 0 and 0 <= r["t_s"] < n_seconds:
+            mask[int(r["t_s"])] = True
+    for r in sim_rows:
+        if (r.get("sim_waiting") or 0) > 0 and 0 <= r["t_s"] < n_seconds:
+            mask[int(r["t_s"])] = True
+    return mask
 
 
 def reallocation_windows(
@@ -449,6 +561,24 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def goodput_ratios(res: dict[str, Any]) -> dict[str, Any]:
+    """Each controlled arm's goodput over the static split's, repeat by repeat (same seeds):
+    the hardware cap's where it ran, else the fixed-ceiling proxies'."""
+    base = "hwcap" if "hwcap" in res else "static"
+    out: dict[str, Any] = {}
+    if base not in res:
+        return out
+    for arm in ("fleet", "fleet-admission", "faults"):
+        if arm not in res:
+            continue
+        pairs = zip(res[arm]["runs"], res[base]["runs"], strict=False)
+        ratios = [f["goodput_rps"] / b["goodput_rps"] for f, b in pairs if b["goodput_rps"]]
+        if ratios:
+            key = f"goodput_ratio_{arm.replace('-', '_')}_over_{base}"
+            out[key] = {"mean": statistics.fmean(ratios), "runs": ratios}
+    return out
+
+
 def plot(res: dict[str, Any], a: argparse.Namespace, path: Path) -> None:
     """The first repeat of each arm: per-member share and power, total against the budget."""
     import matplotlib
@@ -487,7 +617,7 @@ def plot(res: dict[str, Any], a: argparse.Namespace, path: Path) -> None:
     plt.close(fig)
 
 
-def _brief(run: dict[str, Any]) -> dict[str, Any]:
+def brief(run: dict[str, Any]) -> dict[str, Any]:
     bulky = ("total_w", "member_w", "status_rows", "good_and_sent_by_window_and_member")
     return {k: v for k, v in run.items() if k not in bulky}
 
@@ -507,22 +637,12 @@ async def _bench(a: argparse.Namespace) -> int:
             log.mkdir(parents=True, exist_ok=True)
             run = await run_arm(arm, a, seed, log)
             res.setdefault(arm, {"runs": []})["runs"].append(run)
-            print(json.dumps(_brief(run)), flush=True)
+            print(json.dumps(brief(run)), flush=True)
     for arm in res:
         res[arm]["summary"] = aggregate(res[arm]["runs"])
-    if "static" in res and "fleet" in res:
-        ratios = [
-            f["goodput_rps"] / s["goodput_rps"]
-            for f, s in zip(res["fleet"]["runs"], res["static"]["runs"], strict=False)
-            if s["goodput_rps"]
-        ]
-        if ratios:
-            res["goodput_ratio_fleet_over_static"] = {
-                "mean": statistics.fmean(ratios),
-                "runs": ratios,
-            }
+    res.update(goodput_ratios(res))
     summary = {arm: res[arm]["summary"] for arm in res if arm in ARMS}
-    summary["goodput_ratio_fleet_over_static"] = res.get("goodput_ratio_fleet_over_static")
+    summary.update({k: v for k, v in res.items() if k.startswith("goodput_ratio_")})
     print(json.dumps(summary, indent=1), flush=True)
     args = {k: str(v) for k, v in vars(a).items() if k != "func"}
     argv = " ".join(sys.argv[1:]) if sys.argv[1:2] == ["fleet-bench"] else None
@@ -535,4 +655,13 @@ async def _bench(a: argparse.Namespace) -> int:
 
 
 def main(a: argparse.Namespace) -> int:
+    if a.matrix:
+        from powerbatch.cli.fleet_matrix import run_matrix
+
+        a.duration_s = 20.0 if a.duration_s is None else a.duration_s
+        a.out = Path("results/fleet-matrix") if a.out is None else a.out
+        return asyncio.run(run_matrix(a))
+    a.duration_s = 90.0 if a.duration_s is None else a.duration_s
+    a.out = Path("results/fleet") if a.out is None else a.out
+    a.arms = "static,fleet,faults" if a.arms is None else a.arms
     return asyncio.run(_bench(a))

@@ -88,6 +88,11 @@ class CeilingSource(StatusSection, Protocol):
         """The ceiling now, or None for the configured one."""
         ...
 
+    def device_limit_w(self, t_s: float) -> float | None:
+        """A device limit under the one the ceiling asks for (a falling share's, which comes
+        down before the ceiling does), or None."""
+        ...
+
 
 class PlanSource(Protocol):
     """The shape planner (powerbatch.shape.runner): planned power, solved off the tick."""
@@ -285,6 +290,13 @@ class ControlLoop:
     def _limit_in_force_w(self) -> float | None:
         return self.device.in_force_w() if self.device is not None else None
 
+    def _limit_request_w(self, d: Decision, t_s: float) -> float | None:
+        limit_w = d.power_limit_w
+        below = self.ceiling.device_limit_w(t_s) if self.ceiling is not None else None
+        if limit_w is not None and below is not None:
+            return min(limit_w, below)
+        return limit_w
+
     def tick(self, t_s: float) -> Decision:
         reading = self.monitor.snapshot()
         host = self.features.sample()
@@ -320,7 +332,7 @@ class ControlLoop:
         for observer in self.observers:
             observer.observe(obs, d)
         if self.device is not None:
-            self.device.request(d.power_limit_w)
+            self.device.request(self._limit_request_w(d, t_s))
         if self.sm_clock is not None:
             self.sm_clock.tick(obs, t_s)
         self._sample, self._latency, self._tick_error = host, latency, None

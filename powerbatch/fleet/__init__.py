@@ -36,4 +36,5 @@ def attach(
         return
     from powerbatch.fleet.signals import LoopSignals
 
-    member.attach(LoopSignals(loop, queued_by_class), loop.metrics.registry)
+    signals = LoopSignals(loop, queued_by_class)
+    member.attach(signals, loop.metrics.registry, signals.meter)

@@ -1,13 +1,21 @@
-"""Water-filling: shares that equalise the marginal value of a watt (docs/fleet.md, "Allocation").
+"""The allocator's law (docs/fleet.md, "Allocation"): a fair floor, then the surplus where a
+watt is worth most.
 
-Member i's marginal value is m_i(w) = v_i (1 - w / W_i) below its want W_i; one price lambda
-gives w_i = clip(W_i (1 - lambda / v_i)), found by bisection; watts nobody can use are spread as
-headroom. A move cuts the batch, so a grant within a dead band is kept (`hold_small_moves`).
+`allocate`: every member first gets what a static split would give it, budget / N, or less
+where it needs less (a member with no work waiting needs what it draws plus headroom); then the
+watts left, the surplus, go to the members with work waiting (`needy`), by water-filling on
+their bids; what they cannot take goes to them up to their maxima, and only then to the rest.
+So no member is held below its static share while it has work, and no watt is left undrawn
+while any member has work waiting.
+
+Water-filling (`water_fill`): member i's marginal value is m_i(w) = v_i (1 - w / W_i) below its
+want W_i; one price lambda gives w_i = clip(W_i (1 - lambda / v_i)), found by bisection. A move
+cuts the batch, so a grant within a dead band is kept (`hold_small_moves`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -19,6 +27,7 @@ class Bid:
     want_w: float  # W_i: the power its demand would draw
     min_w: float
     max_w: float
+    needy: bool = False  # work is waiting (or its device limit holds it with work)
 
 
 def marginal_value(bid: Bid, w: float) -> float:
@@ -60,10 +69,16 @@ def water_fill(bids: Mapping[str, Bid], budget_w: float, iters: int = 60) -> dic
     return _spread(shares, bids, budget_w)
 
 
-def _spread(shares: dict[str, float], bids: Mapping[str, Bid], budget_w: float) -> dict[str, float]:
-    """Hand the watts left over out evenly, up to each maximum."""
+def _spread(
+    shares: dict[str, float],
+    bids: Mapping[str, Bid],
+    budget_w: float,
+    among: Iterable[str] | None = None,
+) -> dict[str, float]:
+    """Hand the watts left over out evenly (among `among`, default all), up to each maximum."""
     left = budget_w - sum(shares.values())
-    open_ = [k for k in shares if shares[k] < bids[k].max_w - 1e-9]
+    keys = list(shares) if among is None else list(among)
+    open_ = [k for k in keys if shares[k] < bids[k].max_w - 1e-9]
     while left > 1e-6 and open_:
         each = left / len(open_)
         for k in list(open_):
@@ -75,14 +90,65 @@ def _spread(shares: dict[str, float], bids: Mapping[str, Bid], budget_w: float) 
     return shares
 
 
+def _need_w(bid: Bid) -> float:
+    """What a member can use: its maximum while work waits, else its want (draw + headroom)."""
+    return bid.max_w if bid.needy else min(max(bid.want_w, 0.0), bid.max_w)
+
+
+def fair_floors(bids: Mapping[str, Bid], budget_w: float, iters: int = 60) -> dict[str, float]:
+    """Each member's floor: clip(min(f, need), min, max) with f the static split budget / N,
+    or the largest f under it at which the floors fit the budget (minima above f take more).
+    If the minima alone exceed the budget they are scaled down together."""
+    floor = sum(b.min_w for b in bids.values())
+    if floor >= budget_w:
+        scale = budget_w / floor if floor > 0 else 0.0
+        return {k: b.min_w * scale for k, b in bids.items()}
+
+    def at(f: float) -> dict[str, float]:
+        return {k: min(max(min(f, _need_w(b)), b.min_w), b.max_w) for k, b in bids.items()}
+
+    fair = budget_w / len(bids)
+    if sum(at(fair).values()) <= budget_w:
+        return at(fair)
+    lo, hi = 0.0, fair
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        if sum(at(mid).values()) > budget_w:
+            hi = mid
+        else:
+            lo = mid
+    return at(lo)
+
+
+def allocate(bids: Mapping[str, Bid], budget_w: float) -> dict[str, float]:
+    """The targets (module docstring): fair floors; the surplus water-filled over the members
+    that can use more than their floor (each up to its need: its maximum if needy, else its
+    want); then what is left spread, over the needy first, then over everyone."""
+    if not bids:
+        return {}
+    shares = fair_floors(bids, budget_w)
+    hungry = {k: _need_w(b) for k, b in bids.items() if _need_w(b) > shares[k] + 1e-9}
+    left = budget_w - sum(shares.values())
+    if hungry and left > 1e-6:
+        sub = {
+            k: Bid(bids[k].value_per_w, bids[k].want_w, shares[k], need, bids[k].needy)
+            for k, need in hungry.items()
+        }
+        shares.update(water_fill(sub, left + sum(shares[k] for k in hungry)))
+    _spread(shares, bids, budget_w, [k for k, b in bids.items() if b.needy])
+    return _spread(shares, bids, budget_w)
+
+
 def hold_small_moves(
     targets: Mapping[str, float], grants: Mapping[str, float], band_w: float
 ) -> dict[str, float]:
-    """The targets, except that a member whose target is within `band_w` of its grant keeps
-    its grant. Safe whatever it keeps: raises are paid only from unheld watts (book.py)."""
+    """The targets, except that a member whose target is under its grant by less than
+    `band_w` keeps its grant (a lower share cuts its batch). Raises are always made: a raise
+    held back would leave its watts in the pool, undrawn. Safe whatever it keeps: raises are
+    paid only from unheld watts (book.py)."""
     out = dict(targets)
     for k, w in targets.items():
         g = grants.get(k)
-        if g is not None and abs(w - g) < band_w:
+        if g is not None and 0.0 < g - w < band_w:
             out[k] = g
     return out

@@ -71,8 +71,9 @@ end
 
 # KEYS[1] prefix. ARGV: id, ttl_ms, using_w, safe_w, budget_w, then field, value pairs.
 # A renewal confirms: `held` drops to max(grant, using), `using` being what the member runs on
-# while this reply travels. A member with no live lease joins with at most its safe share,
-# paid from the pool. Returns grant, expires_ms, now_ms, fresh_until_ms, leader, live count.
+# while this reply travels; a grant below the leader's `target` is raised toward it from the
+# pool. A member with no live lease joins with at most its safe share, paid from the pool.
+# Returns grant, expires_ms, now_ms, fresh_until_ms, leader, live count.
 RENEW = (
     _COMMON
     + """
@@ -81,16 +82,23 @@ local using, safe = tonumber(ARGV[3]), tonumber(ARGV[4])
 local budget, fresh_until = init(tonumber(ARGV[5]), ttl)
 local key = p .. ':m:' .. id
 local committed, live = sweep(ttl, id)
-local h = redis.call('HMGET', key, 'grant', 'held', 'expires_ms', 'lost')
-local grant
+local h = redis.call('HMGET', key, 'grant', 'held', 'expires_ms', 'lost', 'target')
+local grant, target
 if h[3] == false or h[4] == '1' or num(h[3]) < now then
   grant = math.min(safe, math.max(budget - committed, 0))
+  target = grant
 else
   grant = num(h[1])
+  target = num(h[5])
+  -- A raise the leader could not pay when it allocated is paid now from the pool, so watts a
+  -- giver has just confirmed reach the taker at its next renewal, not the leader's next turn.
+  if target > grant + 1e-6 and now >= fresh_until then
+    grant = math.max(grant, math.min(target, budget - committed))
+  end
 end
 local held = math.max(grant, using)
 redis.call('HSET', key, 'grant', grant, 'held', held, 'expires_ms', now + ttl, 'lost', 0,
-           'seen_ms', now, 'safe_w', safe)
+           'seen_ms', now, 'safe_w', safe, 'target', target)
 for i = 6, #ARGV, 2 do redis.call('HSET', key, ARGV[i], ARGV[i + 1]) end
 redis.call('SADD', set, id)
 local leader = redis.call('GET', p .. ':leader') or ''
@@ -102,8 +110,8 @@ return {tostring(grant), tostring(now + ttl), tostring(now), tostring(fresh_unti
 # KEYS[1] prefix. ARGV: leader id, ttl_ms, budget_w, then id, target_w pairs.
 # Fenced: only the holder of the leader lease may write. Lowers take effect at once (grant =
 # target; held stays until the member confirms); raises share what the pool holds, each in
-# proportion to what it lacks. Returns pool_w left, reallocations, changed (0/1); {-1} if not
-# the leader.
+# proportion to what it lacks, and the rest of each is left as `target` for its renewal.
+# Returns pool_w left, reallocations, changed (0/1); {-1} if not the leader.
 ALLOCATE = (
     _COMMON
     + """
@@ -121,6 +129,7 @@ for i = 4, #ARGV, 2 do
   if h[1] ~= false and h[3] ~= '1' then
     local grant, held, safe = num(h[1]), num(h[2]), num(h[4])
     if fresh then target = math.min(target, math.max(grant, safe)) end
+    redis.call('HSET', key, 'target', target)
     if target < grant - 1e-6 then
       redis.call('HSET', key, 'grant', target)
       changed = 1

@@ -24,8 +24,9 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from redis.exceptions import RedisError
 
-from powerbatch.fleet.allocate import Bid, hold_small_moves, water_fill
+from powerbatch.fleet.allocate import Bid, allocate, hold_small_moves
 from powerbatch.fleet.book import RedisBook
+from powerbatch.fleet.lowering import Lowering, Meter
 from powerbatch.fleet.settings import FleetSettings
 
 log = logging.getLogger("powerbatch.fleet")
@@ -43,6 +44,8 @@ class MemberSignals:
     value_per_w: float = 0.0  # d(goodput)/d(watts), requests per W, unweighted
     want_w: float = 0.0  # the power serving all its demand would draw
     floor_w: float = 0.0  # the least it can hold while it serves at all (0: any share)
+    max_w: float = math.inf  # the most it can draw: its device's highest limit, or its TDP
+    needy: bool = False  # work waits, or its device limit holds it with work
 
 
 class Stage(StrEnum):
@@ -86,16 +89,23 @@ class Lease:
         """Seconds until a live lease falls back (negative once it has)."""
         return None if self.last_ok_sent is None else self.last_ok_sent + 2 * self.ttl_s / 3 - now
 
-    def using_w(self, now: float, power_w: float | None) -> float:
-        """What a renewal reports it may be drawing: its usable share, or on a live lease its
-        meter where higher (admission reaches a cut only as requests finish; the watts are not
-        paid to another until the meter shows them free), up to its last hold."""
+    def using_w(
+        self, now: float, power_w: float | None, shown_w: float, limit_w: float | None = None
+    ) -> float:
+        """What a renewal reports it may be drawing: its usable share, or on a live lease, where
+        higher, the ceiling its loop was shown (`Lowering`) and its meter (admission reaches a
+        cut only as requests finish; the watts are not paid to another until the meter shows
+        them free), up to its last hold. A device limit in force bounds the draw whatever
+        the meter, which lags it: then the limit stands for the meter and the ceiling."""
         stage, usable = self.stage(now)
-        if stage != Stage.LIVE or power_w is None or self.held_w is None:
+        if stage != Stage.LIVE or self.held_w is None:
             return usable
-        if not math.isfinite(power_w):
-            return usable
-        return max(usable, min(power_w, self.held_w))
+        if limit_w is not None and math.isfinite(limit_w):
+            return max(usable, min(limit_w, self.held_w))
+        drawn = shown_w
+        if power_w is not None and math.isfinite(power_w):
+            drawn = max(drawn, power_w)
+        return max(usable, min(drawn, self.held_w))
 
     def confirmed(self, sent: float, grant_w: float, using_w: float, members_seen: int) -> None:
         """A renewal sent at `sent`, reporting `using_w`, was granted `grant_w`."""
@@ -162,23 +172,35 @@ class Election:
         self.gauge.set(0.0)
 
 
+def share_bounds_w(settings: FleetSettings, sig: MemberSignals) -> tuple[float, float]:
+    """The member's share bounds: the settings' (unset: 0 and the budget) narrowed to what its
+    actuators can honour, its floor (a share it cannot hold is drawn anyway) and its maximum
+    (watts above what it can draw are wasted), so the defaults need no calibration."""
+    hi = settings.max_share_w
+    if math.isfinite(sig.max_w) and sig.max_w > 0:
+        hi = min(hi, sig.max_w)
+    floor = sig.floor_w if math.isfinite(sig.floor_w) else 0.0
+    return min(max(settings.fleet_min_share_w, floor), hi), hi
+
+
 def bid_fields(settings: FleetSettings, sig: MemberSignals, using_w: float) -> dict[str, Any]:
-    """A renewal's bid: `min_w` at least its floor (a share it cannot hold is drawn here too);
-    `value_per_w` times the demand's mean class weight (in-flight requests count as normal)."""
+    """A renewal's bid: its bounds (`share_bounds_w`); `value_per_w` times the demand's mean
+    class weight (in-flight requests count as normal)."""
     w = settings.weights()
     n = sum(sig.queued_by_class.values()) + sig.in_flight
     weight = w["normal"]
     if n > 0:
         total = sum(w.get(c, w["normal"]) * k for c, k in sig.queued_by_class.items())
         weight = (total + w["normal"] * sig.in_flight) / n
-    floor = sig.floor_w if math.isfinite(sig.floor_w) else 0.0
+    lo, hi = share_bounds_w(settings, sig)
     return {
         "power_w": "" if sig.power_w is None else round(sig.power_w, 2),
         "in_flight": sig.in_flight,
         "value_per_w": sig.value_per_w * weight,
         "want_w": sig.want_w,
-        "min_w": min(max(settings.fleet_min_share_w, floor), settings.max_share_w),
-        "max_w": settings.max_share_w,
+        "min_w": lo,
+        "max_w": hi,
+        "needy": int(sig.needy),
         "using_w": using_w,
         **{f"demand_{c}": k for c, k in sig.queued_by_class.items()},
     }
@@ -193,6 +215,7 @@ class FleetMember:
         member_id: str,
         *,
         signals: Callable[[], MemberSignals] | None = None,
+        meter: Callable[[], Meter] | None = None,
         client: aioredis.Redis | None = None,
         clock: Callable[[], float] = time.monotonic,
         registry: CollectorRegistry | None = None,
@@ -200,6 +223,9 @@ class FleetMember:
         self.settings = settings
         self.id = member_id
         self.signals = signals or MemberSignals
+        self.meter = meter
+        self.lowering = Lowering()
+        self._wake = asyncio.Event()  # an early renewal: a lower limit to confirm
         self.clock = clock
         self.metrics = FleetMetrics(registry)
         self.book = RedisBook(settings, member_id, client)
@@ -217,16 +243,28 @@ class FleetMember:
         return self.lease.stage(self.clock() if now is None else now)[1]
 
     def ceiling_w(self, t_s: float) -> float | None:
-        """The loop's ceiling this tick: the usable share (at least 1 W: a ceiling of nothing
-        would only make the controller hold its minimum batch, as 1 W does)."""
+        """The loop's ceiling this tick: the usable share, or while it falls one that follows
+        the meter down to it (`Lowering`); at least 1 W (a ceiling of nothing would only make
+        the controller hold its minimum batch, as 1 W does)."""
         self._ensure_started()
-        stage, share = self.lease.stage(self.clock())
+        now = self.clock()
+        stage, share = self.lease.stage(now)
+        meter = self.meter() if self.meter is not None else Meter()
+        held = self.lease.held_w if self.lease.held_w is not None else share
+        was = self.lowering.limit_holds
+        shown = self.lowering.show(now, share, stage == Stage.LIVE, held, meter)
+        if self.lowering.limit_holds and not was:
+            self._wake.set()  # the lower limit is in force: confirm it now, not next period
         m = self.metrics
         m.share_w.set(share)
         m.fallback.set(0.0 if stage == Stage.LIVE else 1.0)
         if self.lease.last_ok_sent is not None:
-            m.lease_age_s.set(self.clock() - self.lease.last_ok_sent)
-        return max(share, 1.0)
+            m.lease_age_s.set(now - self.lease.last_ok_sent)
+        return max(shown, 1.0)
+
+    def device_limit_w(self, t_s: float) -> float | None:
+        """The device limit to ask for under the ceiling while a share falls (else None)."""
+        return self.lowering.limit_w
 
     def status_extra(self) -> dict[str, Any]:
         """The `fleet` section of /status."""
@@ -249,6 +287,8 @@ class FleetMember:
                 "reallocations": self.reallocations,
                 "redis_error": self.redis_error,
                 "bid": dict(self.bid),
+                "ceiling_shown_w": self.lowering.ceiling_w,  # above share_w while it falls
+                "lower_limit_w": self.lowering.limit_w,  # the device limit asked for then
             }
         }
 
@@ -256,9 +296,12 @@ class FleetMember:
         self,
         signals: Callable[[], MemberSignals],
         registry: CollectorRegistry | None = None,
+        meter: Callable[[], Meter] | None = None,
     ) -> None:
-        """Bind the host's bid and put the gauges in its registry (once the loop exists)."""
+        """Bind the host's bid and meter, and put the gauges in its registry (once the loop
+        exists)."""
         self.signals = signals
+        self.meter = meter
         if registry is not None:
             self.metrics = FleetMetrics(registry)
             self.election.gauge = self.metrics.leader
@@ -300,7 +343,9 @@ class FleetMember:
                 delay = next_t - loop.time()
                 if delay < 0:
                     next_t, delay = loop.time(), 0.0
-                await asyncio.sleep(delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), delay)
+                self._wake.clear()
         finally:
             await self._close()
 
@@ -352,8 +397,9 @@ class FleetMember:
                 want_w=_f(h.get("want_w")),
                 min_w=_f(h.get("min_w")),
                 max_w=_f(h.get("max_w"), budget),
+                needy=h.get("needy") == "1",
             )
-        targets = water_fill(bids, max(budget, 0.0))
+        targets = allocate(bids, max(budget, 0.0))
         band_w = DEAD_BAND_FRAC * self.lease.safe_w
         return await self.book.allocate(hold_small_moves(targets, grants, band_w))
 
@@ -361,7 +407,9 @@ class FleetMember:
         """Renew the lease on what this member may be drawing, and publish its bid."""
         sent = self.clock()
         sig = self.signals()
-        using = self.lease.using_w(sent, sig.power_w)
+        limit = self.lowering.limit_w if self.lowering.limit_holds else None
+        shown = self.lowering.ceiling_w if self.lowering.ceiling_w is not None else 0.0
+        using = self.lease.using_w(sent, sig.power_w, shown, limit)
         fields = bid_fields(self.settings, sig, using)
         self.bid = {k: float(v) for k, v in fields.items() if isinstance(v, int | float)}
         try:

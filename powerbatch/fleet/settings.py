@@ -30,9 +30,18 @@ class FleetSettings:
         "members expected; the safe share is budget over the larger of this and those seen",
         ge=1,
     )
-    fleet_min_share_w: float = setting(0.0, "the smallest share this member is given, W", ge=0)
+    fleet_min_share_w: float = setting(
+        0.0,
+        "the smallest share this member asks for, W; it asks for no less than its device's "
+        "lowest limit (with a limiter) or one request's power (without) either way",
+        ge=0,
+    )
     fleet_max_share_w: float | None = setting(
-        None, "the largest share this member is given, W", default_doc="the budget", gt=0
+        None,
+        "the largest share this member asks for, W; never more than its device's highest "
+        "limit (or the GPUs' power limit without a limiter)",
+        default_doc="the budget",
+        gt=0,
     )
     fleet_safe_share_w: float | None = setting(
         None,
@@ -44,7 +53,7 @@ class FleetSettings:
         3.0, "lease length, s: renewed every third, given up at two thirds", gt=0.3, le=600
     )
     fleet_publish_interval_s: float = setting(
-        1.0, "how often the member renews and publishes (at most a third of the lease)", gt=0
+        0.5, "how often the member renews and publishes (at most a third of the lease)", gt=0
     )
     fleet_weight_high: float = setting(4.0, "value of a watt serving high-class demand", ge=0)
     fleet_weight_normal: float = setting(1.0, "value of a watt serving normal demand", ge=0)

@@ -5,8 +5,16 @@
 * want W: the power model at the last per-request shape scaled to D; while a device limit holds
   the member (meter at `PINNED_FRAC` of it or more) with work, the meter and a model taught
   there under-read the demand, and W is the device's highest limit;
-* value_per_w = 2 D / W (the modelled goodput at W is D); floor_w = P(shape * min_batch)
-  without a device limit (admission's smallest step is one request: less cannot be held).
+* needy: work waits (beyond `QUEUE_MIN` / `QUEUE_FRAC` of the batch), or its device limit
+  holds it (or a little work waits) while its p95 TTFT or time per token is past `RISK_FRAC`
+  of its SLO: more watts would buy goodput. A member held by its limit yet well inside its
+  SLOs slows as a capped server does and loses nothing by slowing a little more: it wants
+  `GIVE_FRAC` less than it draws, so its share steps down while its latency allows. Any other
+  member wants what it draws (or its model's demand, if more) plus `HEADROOM_FRAC`;
+* value_per_w = 2 D / W (the modelled goodput at W is D);
+* bounds: with a device limit, its range (the lowest limit holds any share above it, a share
+  above the highest is never drawn); without, floor_w = P(shape * min_batch) (admission's
+  smallest step is one request: less cannot be held) and max_w the GPUs' highest draw.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from powerbatch.estimate import Features
+from powerbatch.fleet.lowering import Meter
 from powerbatch.fleet.member import MemberSignals
 
 if TYPE_CHECKING:  # only its public predict_w and device_limit_bounds_w are used
@@ -23,6 +32,10 @@ if TYPE_CHECKING:  # only its public predict_w and device_limit_bounds_w are use
 
 PINNED_FRAC = 0.95  # measured power at this share of the device limit or more: held by it
 DEMAND_TAU_S = 5.0  # how slowly the demand in the bid falls
+HEADROOM_FRAC = 0.15  # a member with nothing waiting wants this much over what it draws
+GIVE_FRAC = 0.15  # a member held by its limit inside its SLOs wants this much less than it draws
+RISK_FRAC = 0.5  # p95 latency over this share of its SLO: the member has no time to give
+QUEUE_MIN, QUEUE_FRAC = 2, 0.25  # work waiting beyond this many, or this share of the batch
 
 
 class LoopSignals:
@@ -46,16 +59,28 @@ class LoopSignals:
         f = rec.features
         if f.batch >= 1:
             self._shape = f.per_request()
-        want, floor = 0.0, 0.0
+        want, floor, most = 0.0, 0.0, math.inf
         shape = self._shape
         bounds = loop.device_limit_bounds_w()
+        if bounds is not None:  # the limit holds any share in the device's range
+            floor, most = bounds
+        elif loop.controller.config.max_w:  # admission alone: up to what the GPUs can draw
+            most = float(loop.controller.config.max_w)
         if shape is not None:
             want = loop.predict_w(shape.scaled(float(demand)))
             if bounds is None:
                 floor = loop.predict_w(shape.scaled(float(loop.controller.config.min_batch)))
         limit_w, power_w = rec.power_limit_w or 0.0, rec.power_w or 0.0
-        if demand > 0 and limit_w > 0 and power_w >= PINNED_FRAC * limit_w and bounds:
+        pinned = bool(demand > 0 and limit_w > 0 and power_w >= PINNED_FRAC * limit_w and bounds)
+        queued = sum(by_class.values())
+        waiting = queued > max(QUEUE_MIN, QUEUE_FRAC * rec.in_flight)
+        needy = waiting or ((pinned or queued > 0) and self._at_risk())
+        if needy and pinned and bounds:
             want = max(want, bounds[1])  # held by the limit: it would draw more than it may
+        elif pinned:  # held by its limit, yet inside its SLOs with room: it can give some
+            want = power_w * (1.0 - GIVE_FRAC)
+        elif not needy:  # all it has is served: what it draws, and room for a few more
+            want = max(want, power_w) * (1.0 + HEADROOM_FRAC)
         value = 2.0 * demand / want if demand > 0 and want > 0 else 0.0
         return MemberSignals(
             power_w=rec.power_w,
@@ -64,7 +89,31 @@ class LoopSignals:
             value_per_w=max(value, 0.0),
             want_w=max(want, 0.0),
             floor_w=max(floor, 0.0),
+            max_w=most,
+            needy=needy,
         )
+
+    def _at_risk(self) -> bool:
+        """p95 TTFT or time per token over `RISK_FRAC` of its SLO (the host's own window)."""
+        loop = self.loop
+        snap = loop.features.latency(loop.clock())
+        if snap is None:
+            return False
+        cfg = loop.controller.config
+        ttft, tpot = snap.ttft_p95_s, snap.tpot_p95_s
+        return (ttft is not None and ttft > RISK_FRAC * cfg.ttft_slo_s) or (
+            tpot is not None and tpot > RISK_FRAC * cfg.tpot_slo_s
+        )
+
+    def meter(self) -> Meter:
+        """The loop's last power and device limit, read each tick (no model: cheap)."""
+        loop = self.loop
+        rec = loop.history[-1] if loop.history else None
+        margin = loop.controller.config.gains.limit_margin_frac
+        limited = loop.device_limit_bounds_w() is not None
+        if rec is None:
+            return Meter(limit_margin_frac=margin, limited=limited)
+        return Meter(rec.power_w, rec.power_limit_w, margin, limited)
 
     def _smoothed(self, t_s: float, demand: float) -> float:
         """The demand as bid: a rise at once, a fall with time constant `DEMAND_TAU_S`."""

@@ -1,0 +1,453 @@
+"""`powerbatch fleet-bench --matrix reduced|full`: the fleet against a static split on many fleets.
+
+Each case is a fleet (2, 4 or 8 members; 8B- and 70B-class, H100- and A100-like GPU sets; the
+instant, 1-s mean and 2-s late meters of `powerbatch.sim.plants.METERS`), a budget (35-80 % of
+the members' summed TDP) and a load: a hot spot that moves every 5-60 s at 2-10x the cold
+rate, diurnal days out of phase, uncorrelated bursts, or even load. Every case runs three arms
+on the same seeds, repeat by repeat: `hwcap` (no proxy, each GPU set capped at budget / N: the
+static split), `fleet` (leases, each proxy also sets its GPU's limit) and `fleet-admission`
+(leases, admission alone). Rates are set against what each member sustains at its split
+(`Plant.sustain_rps`), so power binds on every kind of member; answers are lengthened where the
+fleet's peak would pass what two CPU cores can drive (`MAX_FLEET_RPS`).
+
+Per case: goodput over the static split's (per repeat), seconds over the budget, mean summed
+power while any member has work waiting over the budget, and the median time for watts to
+reach a new hot spot. `reduced` is six cases (about nine minutes per repeat at 20 s a run);
+`full` draws `FULL_CASES` from the grid above (docs/fleet.md gives its time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from powerbatch.cli import fleet_bench
+from powerbatch.load.drawn import DIURNAL_SHAPE
+from powerbatch.load.profile import LoadProfile, Phase, PlannedRequest
+from powerbatch.sim.gpu_model import (
+    DEFAULT_KV_CAPACITY_TOKENS,
+    PROFILES,
+    GpuProfile,
+    decode_power_w,
+)
+from powerbatch.sim.plants import METERS, Plant
+
+MATRIX_ARMS = ("hwcap", "fleet", "fleet-admission")
+REPORTED_ARMS = ("hwcap", "static", "fleet", "fleet-admission")  # `static`: by --arms only
+FULL_CASES = 24
+SETTLE_S = 6.0  # every arm waits this long before its load: past the proxies' 5-s warm-up
+MAX_FLEET_RPS = 36.0  # the whole fleet's peak arrivals: above it the load client binds
+PROMPT_MEDIAN, PROMPT_SIGMA, OUTPUT_SIGMA = 600.0, 0.8, 0.6  # LoadProfile's defaults
+MIX = {"high": 0.3, "normal": 0.5, "low": 0.2}
+
+# An A100-like set: the 8B fit scaled to a 400-W board (A100 SXM4: TDP 400 W, NVML limit
+# constraints 100-400 W) and to its slower memory (2.0 against 3.35 TB/s: decode 1.7x slower)
+# and compute (312 against 989 dense BF16 TFLOPS: prefill 3x slower), per NVIDIA's A100 and
+# H100 datasheets. A bench member, not a calibrated profile.
+_H100 = PROFILES["h100-llama8b"]
+_A100 = dataclasses.replace(
+    _H100,
+    name="a100-llama8b",
+    gpu_model_name="NVIDIA A100-SXM4-80GB",
+    tdp_w_per_gpu=400.0,
+    min_limit_w_per_gpu=100.0,
+    dec_base_w=_H100.dec_base_w * 400.0 / 700.0,
+    dec_span_w=_H100.dec_span_w * 400.0 / 700.0,
+    idle_w_per_gpu=55.0,
+    itl_base_s=_H100.itl_base_s * 1.7,
+    itl_span_s=_H100.itl_span_s * 1.7,
+    prefill_tok_s=_H100.prefill_tok_s / 3.0,
+    noise_sigma_w_per_gpu=12.0,
+)
+KINDS: dict[str, GpuProfile] = {
+    "h100-8b": _H100,
+    "a100-8b": _A100,
+    "h100x4-70b": PROFILES["h100x4-llama70b"],
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One fleet, budget and load of the matrix."""
+
+    name: str
+    kinds: tuple[str, ...]  # KINDS, one per member
+    meters: tuple[str, ...]  # plants.METERS, one per member
+    budget_frac: float  # of the members' summed TDP
+    load: str  # moving | diurnal | bursts | even
+    period_s: float  # hot spot's period; a day's length; bursts' mean spacing
+    hot_over_cold: float
+    peak_over_sustain: float  # hot (or peak) rate over what the member sustains at its split
+
+    @property
+    def members(self) -> int:
+        return len(self.kinds)
+
+    def budget_w(self) -> float:
+        """budget_frac of the summed TDP, raised where the split would fall under a member's
+        lowest limit (the static split must be a cap each GPU set accepts)."""
+        profs = [KINDS[k] for k in self.kinds]
+        budget = self.budget_frac * sum(p.tdp_w for p in profs)
+        floor = max(p.min_limit_w_per_gpu * p.num_gpus for p in profs) * len(profs) * 1.05
+        return max(budget, floor)
+
+    def plants(self) -> list[Plant]:
+        """Each member's plant, its ceiling the static split's cap (the load is sized by it)."""
+        budget = self.budget_w()
+        out = []
+        for k, meter in zip(self.kinds, self.meters, strict=True):
+            prof = KINDS[k]
+            ceiling = min(max(budget / self.members, prof.min_limit_w_per_gpu * prof.num_gpus),
+                          prof.tdp_w)  # fmt: skip
+            out.append(Plant(prof, ceiling, DEFAULT_KV_CAPACITY_TOKENS, meter, {"kind": k}))
+        return out
+
+    def admission_can_hold(self) -> bool:
+        """Whether admission alone can hold the split at all: admission cannot preempt, so a
+        member with any work draws at least one request's decode power (on the 8B H100 fit,
+        480 W of its 700 W); where the members' sum of that is over the budget, no admission
+        law can stay under it, and `fleet-admission` is not run."""
+        one = sum(decode_power_w(KINDS[k], 1) for k in self.kinds)
+        return one <= self.budget_w()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(self),
+            "budget_w": self.budget_w(),
+            "admission_can_hold": self.admission_can_hold(),
+        }
+
+
+def reduced_cases() -> list[Case]:
+    """Six cases that between them touch every dimension but the 8-member fleet."""
+    m1 = "mean-1s"
+    return [
+        Case("moving-4x8b-p10-10x-46%", ("h100-8b",) * 4, (m1,) * 4, 0.46, "moving", 10.0,
+             10.0, 1.3),
+        Case("moving-2mixed-p5-4x-55%", ("h100-8b", "h100x4-70b"), ("instant", "lag-2s"),
+             0.55, "moving", 5.0, 4.0, 1.5),
+        Case("diurnal-4mixed-65%", ("h100-8b", "a100-8b", "h100-8b", "a100-8b"),
+             (m1, "instant", "lag-2s", m1), 0.65, "diurnal", 20.0, 6.0, 1.6),
+        Case("bursts-4x8b-35%", ("h100-8b",) * 4, (m1,) * 4, 0.35, "bursts", 10.0, 6.0, 1.5),
+        Case("even-4x8b-75%", ("h100-8b",) * 4, (m1,) * 4, 0.75, "even", 30.0, 1.0, 1.3),
+        Case("moving-4x8b-p15-5x-78%", ("h100-8b",) * 4, ("instant", m1, m1, "lag-2s"), 0.78,
+             "moving", 15.0, 5.0, 1.4),
+    ]  # fmt: skip
+
+
+def full_cases(seed: int = 1) -> list[Case]:
+    """`FULL_CASES` cases over the grid (every member count, period and load at least once),
+    the rest of each drawn from `seed`, plus one even-load case."""
+    rng = np.random.default_rng([seed, 23])
+    loads = ("moving", "moving", "diurnal", "bursts")
+    out = []
+    for i in range(FULL_CASES):
+        n = (2, 4, 8)[i % 3]
+        period = (5.0, 15.0, 30.0, 60.0)[(i // 3) % 4]
+        load = loads[i % 4]
+        mixed = rng.random() < 0.5
+        kinds = tuple(str(rng.choice(list(KINDS))) if mixed else "h100-8b" for _ in range(n))
+        meters = tuple(str(rng.choice(list(METERS))) for _ in range(n))
+        frac = float(rng.uniform(0.35, 0.80))
+        ratio = float(rng.uniform(2.0, 10.0))
+        peak = float(rng.uniform(1.2, 2.0))
+        name = f"{load}-{n}{'mixed' if mixed else 'x8b'}-p{period:.0f}-{ratio:.0f}x-{frac:.0%}"
+        out.append(Case(name, kinds, meters, frac, load, period, ratio, peak))
+    out.append(Case("even-4x8b-60%", ("h100-8b",) * 4, ("mean-1s",) * 4, 0.6, "even", 30.0,
+                    1.0, 1.3))  # fmt: skip
+    return out
+
+
+def sustain_rps(plant: Plant, output_median: float) -> float:
+    """About what a member serves at its split: `Plant.sustain_rps` where the split is over
+    one request's decode power; under it (a deep cap: every batch is throttled), that at just
+    over one request's power, scaled down by the split's share of it."""
+    floor = decode_power_w(plant.profile, 1) * 1.05
+    at = dataclasses.replace(plant, ceiling_w=max(plant.ceiling_w, floor))
+    return at.sustain_rps(*_means(output_median)) * min(1.0, plant.ceiling_w / at.ceiling_w)
+
+
+def output_median(case: Case, plants: list[Plant]) -> float:
+    """Answers long enough that the fleet's peak arrivals stay under `MAX_FLEET_RPS`."""
+    out = 180.0
+    for _ in range(8):
+        peak = sum(case.peak_over_sustain * sustain_rps(p, out) for p in plants)
+        if peak <= MAX_FLEET_RPS:
+            break
+        out = min(out * peak / MAX_FLEET_RPS, 1_000.0)
+    return out
+
+
+def _means(output: float) -> tuple[float, float]:
+    return PROMPT_MEDIAN * math.exp(PROMPT_SIGMA**2 / 2), output * math.exp(OUTPUT_SIGMA**2 / 2)
+
+
+def member_phases(case: Case, i: int, hot_rps: float, seed: int, duration_s: float) -> list[Phase]:
+    """Member i's rates over the run, as phases that cover it (none repeats). Durations are
+    whole eighths of a second: exact in binary, so `LoadProfile.plan`'s phase boundaries add
+    up (with arbitrary floats a boundary can land a rounding short and the plan never ends)."""
+    return [
+        Phase(max(round(ph.duration_s * 8) / 8, 0.125), ph.rate_rps)
+        for ph in _phases(case, i, hot_rps, seed, duration_s)
+    ]
+
+
+def _phases(case: Case, i: int, hot_rps: float, seed: int, duration_s: float) -> list[Phase]:
+    cold = hot_rps / case.hot_over_cold
+    n, p = case.members, case.period_s
+    rng = np.random.default_rng([seed, i, 7])
+    if case.load == "moving":
+        out = []
+        for k in range(math.ceil(duration_s / p)):
+            if k % n == i:  # a burst, as fleet-bench's hot spot: 1.3x then 0.7x
+                out += [Phase(p / 2, hot_rps * 1.3), Phase(p / 2, hot_rps * 0.7)]
+            else:
+                out.append(Phase(p, cold))
+        return out
+    if case.load == "diurnal":  # the day of load.drawn, each member out of phase
+        shape = [r / max(DIURNAL_SHAPE) for r in DIURNAL_SHAPE]
+        start = int(rng.integers(len(shape)))
+        step = p / len(shape)
+        k = math.ceil(duration_s / step) + 1
+        return [Phase(step, max(shape[(start + j) % len(shape)] * hot_rps, cold)) for j in range(k)]
+    if case.load == "bursts":  # one burst in each period, at its own random place
+        out, t = [], 0.0
+        while t < duration_s:
+            burst = p * float(rng.uniform(0.3, 0.5))
+            before = float(rng.uniform(0.0, p - burst))
+            out += [Phase(before, cold), Phase(burst, hot_rps), Phase(p - burst - before, cold)]
+            t += p
+        return [ph for ph in out if ph.duration_s > 0]
+    return [Phase(duration_s, hot_rps)]  # even
+
+
+def plan_for(case: Case, out_median: float) -> Any:
+    """fleet_bench's `plan_for(i, a, seed)` for this case."""
+
+    def plan(i: int, a: argparse.Namespace, seed: int) -> list[PlannedRequest]:
+        plant = a.plants[i]
+        hot = case.peak_over_sustain * sustain_rps(plant, out_median)
+        phases = member_phases(case, i, hot, seed, a.duration_s)
+        prof = LoadProfile(f"m{i}", tuple(phases), output_median=out_median, priority_mix=MIX)
+        return [r for r in prof.plan(a.duration_s, seed * 100 + i) if r.t_s < a.duration_s]
+
+    return plan
+
+
+def case_args(a: argparse.Namespace, case: Case) -> argparse.Namespace:
+    """fleet_bench's arguments for one case: its fleet, budget, plants and plans."""
+    ns = argparse.Namespace(**vars(a))
+    plants = case.plants()
+    ns.members = case.members
+    ns.budget_w = case.budget_w()
+    ns.plants = plants
+    ns.hot_period_s = case.period_s if case.load == "moving" else a.duration_s
+    ns.plan_for = plan_for(case, output_median(case, plants))
+    ns.limiter = True  # `fleet-admission` runs without it (fleet_bench.PROXIED_LIMITED)
+    ns.settle_s = a.settle_s if a.settle_s is not None else SETTLE_S
+    return ns
+
+
+def case_summary(case: Case, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The case's figures over its repeats."""
+    out: dict[str, Any] = {"case": case.to_json()}
+    base = runs.get("hwcap", [])
+    for arm in REPORTED_ARMS:
+        rs = runs.get(arm, [])
+        if not rs:
+            continue
+        fig: dict[str, Any] = {
+            "goodput_rps": [r["goodput_rps"] for r in rs],
+            "seconds_over_budget": [r["seconds_over_budget"] for r in rs],
+            "seconds": [r["seconds"] for r in rs],
+            "power_while_queued_over_budget": [r["power_while_queued_over_budget"] for r in rs],
+            "mean_total_w": [r["mean_total_w"] for r in rs],
+        }
+        if arm != "hwcap":
+            fig["goodput_over_static"] = [
+                r["goodput_rps"] / b["goodput_rps"]
+                for r, b in zip(rs, base, strict=False)
+                if b["goodput_rps"]
+            ]
+            moves = [m for r in rs for m in r.get("seconds_to_move_watts", []) if m is not None]
+            fig["seconds_to_move_watts"] = moves
+            fig["median_seconds_to_move_watts"] = statistics.median(moves) if moves else None
+        out[arm] = fig
+    return out
+
+
+def _fmt_ratio(xs: list[float]) -> str:
+    if not xs:
+        return "—"
+    if len(xs) == 1:
+        return f"{xs[0]:.2f}"
+    return f"{statistics.fmean(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+
+def _mean(xs: list[Any]) -> float | None:
+    got = [float(x) for x in xs if x is not None]
+    return statistics.fmean(got) if got else None
+
+
+def table(summaries: list[dict[str, Any]]) -> str:
+    """The markdown table docs/fleet.md carries."""
+    head = (
+        "| case | budget | goodput / static, limiter | … admission alone | s over budget "
+        "(lim / adm) | power while queued / budget (static / lim / adm) | watts to hot spot, "
+        "median s (lim / adm) | fixed-ceiling proxies / static |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for s in summaries:
+        c, lim, adm, cap = (
+            s["case"],
+            s.get("fleet", {}),
+            s.get("fleet-admission", {}),
+            s.get("hwcap", {}),
+        )
+
+        def pq(f: dict[str, Any]) -> str:
+            v = _mean(f.get("power_while_queued_over_budget", []))
+            return "—" if v is None else f"{v:.2f}"
+
+        def mv(f: dict[str, Any]) -> str:
+            v = f.get("median_seconds_to_move_watts")
+            return "—" if v is None else f"{v:.1f}"
+
+        over = f"{sum(lim.get('seconds_over_budget', []))} / "
+        over += f"{sum(adm.get('seconds_over_budget', []))}" if adm else "—"
+        adm_ratio = _fmt_ratio(adm.get("goodput_over_static", []))
+        if not c.get("admission_can_hold", True):
+            adm_ratio = "cannot hold (one request each > budget)"
+        rows.append(
+            f"| {c['name']} | {c['budget_w']:.0f} W | "
+            f"{_fmt_ratio(lim.get('goodput_over_static', []))} | "
+            f"{adm_ratio} | {over} | "
+            f"{pq(cap)} / {pq(lim)} / {pq(adm)} | {mv(lim)} / {mv(adm)} | "
+            f"{_fmt_ratio(s.get('static', {}).get('goodput_over_static', []))} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def overall(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Across the matrix: median and worst case of each arm's ratio (a case's mean over its
+    repeats), seconds over budget, power while queued, median move."""
+    out: dict[str, Any] = {}
+    for arm in ("fleet", "fleet-admission"):
+        per_case = [
+            (statistics.fmean(s[arm]["goodput_over_static"]), s["case"]["name"])
+            for s in summaries
+            if s.get(arm, {}).get("goodput_over_static")
+        ]
+        if not per_case:
+            continue
+        ratios = [r for r, _ in per_case]
+        worst = min(per_case)
+        moves = [m for s in summaries for m in s.get(arm, {}).get("seconds_to_move_watts", [])]
+        pq = [_mean(s[arm]["power_while_queued_over_budget"]) for s in summaries if arm in s]
+        out[arm] = {
+            "median_goodput_over_static": statistics.median(ratios),
+            "worst_goodput_over_static": worst[0],
+            "worst_case": worst[1],
+            "seconds_over_budget": sum(
+                sum(s[arm]["seconds_over_budget"]) for s in summaries if arm in s
+            ),
+            "seconds": sum(sum(s[arm]["seconds"]) for s in summaries if arm in s),
+            "median_seconds_to_move_watts": statistics.median(moves) if moves else None,
+            "min_power_while_queued_over_budget": min(
+                (x for x in pq if x is not None), default=None
+            ),
+            "mean_power_while_queued_over_budget": _mean(pq),
+        }
+    return out
+
+
+def plot(summaries: list[dict[str, Any]], path: Path) -> None:
+    """Per case: goodput over the static split (mean, range of repeats) for both fleet arms,
+    and power while work waits over the budget for all three."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [s["case"]["name"] for s in summaries]
+    x = np.arange(len(names))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, 1.1 * len(names)), 7), sharex=True)
+    for j, (arm, label) in enumerate((("fleet", "fleet + limiter"),
+                                      ("fleet-admission", "fleet, admission alone"))):  # fmt: skip
+        vals = [s.get(arm, {}).get("goodput_over_static") or [math.nan] for s in summaries]
+        mean = np.array([np.mean(v) for v in vals])
+        lo = mean - np.array([np.min(v) for v in vals])
+        hi = np.array([np.max(v) for v in vals]) - mean
+        ax1.bar(x + (j - 0.5) * 0.38, mean, 0.38, yerr=[lo, hi], capsize=3, label=label)
+    ax1.axhline(1.0, color="k", lw=0.8)
+    ax1.axhline(1.3, color="g", lw=0.8, ls="--", label="goal: median 1.3x")
+    ax1.set_ylabel("goodput / static split")
+    ax1.legend(fontsize=8)
+    for j, arm in enumerate(MATRIX_ARMS):
+        vals = [_mean(s.get(arm, {}).get("power_while_queued_over_budget", [])) for s in summaries]
+        ax2.bar(x + (j - 1) * 0.27, [math.nan if v is None else v for v in vals], 0.27,
+                label={"hwcap": "static split (hardware cap)"}.get(arm, arm))  # fmt: skip
+    ax2.axhline(0.95, color="g", lw=0.8, ls="--", label="goal: 0.95")
+    ax2.set_ylabel("summed power while work waits / budget")
+    ax2.set_ylim(0, 1.1)
+    ax2.legend(fontsize=8, ncol=4)
+    ax2.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(
+    a: argparse.Namespace, summaries: list[dict[str, Any]], raw: dict[str, Any]
+) -> dict[str, Any]:
+    doc = {"args": {k: str(v) for k, v in vars(a).items() if k not in ("func", "plan_for")},
+           "overall": overall(summaries), "cases": summaries}  # fmt: skip
+    (a.out / "matrix.json").write_text(json.dumps(doc, indent=1))
+    (a.out / "runs.json").write_text(json.dumps(raw, indent=1))
+    (a.out / "table.md").write_text(table(summaries))
+    return doc
+
+
+async def run_matrix(a: argparse.Namespace) -> int:
+    cases = reduced_cases() if a.matrix == "reduced" else full_cases(a.seed)
+    if a.cases:
+        wanted = {x.strip() for x in a.cases.split(",")}
+        cases = [c for i, c in enumerate(cases) if c.name in wanted or str(i) in wanted]
+    a.out.mkdir(parents=True, exist_ok=True)
+    arms = [x.strip() for x in a.arms.split(",") if x.strip()] if a.arms else list(MATRIX_ARMS)
+    summaries: list[dict[str, Any]] = []
+    raw: dict[str, Any] = {}
+    doc: dict[str, Any] = {}
+    for case in cases:
+        ns = case_args(a, case)
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for rep in range(a.repeats):  # arms interleaved: a slow spell on the machine hits all
+            seed = a.seed + rep
+            for arm in arms:
+                if arm == "fleet-admission" and not case.admission_can_hold():
+                    continue
+                print(f"{case.name} {arm} seed {seed}", flush=True)
+                log = a.out / "logs" / case.name / f"{arm}-{seed}"
+                log.mkdir(parents=True, exist_ok=True)
+                run = await fleet_bench.run_arm(arm, ns, seed, log)
+                (log / "run.json").write_text(json.dumps(run))  # status rows, 1-s power
+                runs.setdefault(arm, []).append(run)
+                print(json.dumps(fleet_bench.brief(run)), flush=True)
+        summaries.append(case_summary(case, runs))
+        raw[case.name] = {arm: [fleet_bench.brief(r) for r in rs] for arm, rs in runs.items()}
+        print(table(summaries[-1:]), flush=True)
+        doc = write(a, summaries, raw)  # after every case: a cut-short run keeps what it had
+    plot(summaries, a.out / "matrix.png")
+    print(table(summaries))
+    print(json.dumps(doc.get("overall", {}), indent=1))
+    print(f"wrote {a.out / 'matrix.json'}, runs.json, table.md and matrix.png")
+    return 0

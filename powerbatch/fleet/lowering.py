@@ -1,0 +1,67 @@
+"""A share that falls: the device limit comes down first (docs/fleet.md, "A share that falls").
+
+Handed straight to the control loop, a lower share reads as a breach: the meter still shows the
+last second's power, drawn under the higher share, so the loop cuts the batch and work queues,
+where a server whose cap fell would only slow down. So while its share comes down, a member
+shows the loop a ceiling that follows its meter down from the old one (never above what it
+held, never up), and asks for the new share's device limit at once (`limit_w`); the loop, held
+by that limit, keeps its batch and slows as a capped server does. Once the meter reads the new
+share, or after `MAX_S`, the share itself is the ceiling. Without a device limit the ceiling
+follows the meter down the same way, and admission steps the batch down rather than cutting it.
+
+Why it is safe: the member's draw stays under the old ceiling, which Redis still holds for it
+until a renewal reports less; and a renewal reports less only once the meter shows it or, with
+a device limit, once the lower limit is in force (the limit bounds the draw: `Lease.using_w`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LIMIT_SET_GRACE_S = 1.0  # a device limit set still in flight this long: wait for it
+MAX_S = 3.0  # at most this long above the share
+FOLLOW_SLACK_FRAC = 0.02  # the ceiling shown stays this far over the last reading
+LIMIT_TOLERANCE_W = 0.5  # the limit in force may be this far over the one asked for
+
+
+@dataclass(frozen=True, slots=True)
+class Meter:
+    """The host loop's last tick, as a member reads it each tick (cheap: no model)."""
+
+    power_w: float | None = None  # the power the loop acts on (its 1-s mean)
+    limit_w: float | None = None  # the device limit in force; None: none, or degraded
+    limit_margin_frac: float = 0.0  # the loop sets the limit this share under its ceiling
+    limited: bool = False  # a limiter controls the device (its limit may be in flight)
+
+
+class Lowering:
+    """The ceiling shown to the loop, tick by tick, and the device limit asked for under it."""
+
+    def __init__(self) -> None:
+        self.ceiling_w: float | None = None  # shown on the last tick
+        self.since: float | None = None  # when the share fell below it
+        self.limit_w: float | None = None  # the limit to ask for this tick, or None
+        self.limit_holds = False  # the lower limit is in force
+
+    def show(self, now: float, share_w: float, live: bool, held_w: float, m: Meter) -> float:
+        """The ceiling for this tick, given the usable share and what Redis holds for it."""
+        prev = self.ceiling_w
+        out = share_w
+        self.limit_w, self.limit_holds = None, False
+        if live and prev is not None and share_w < prev - 1e-6 and m.power_w is not None:
+            self.since = now if self.since is None else self.since
+            age = now - self.since
+            want_limit = share_w * (1.0 - m.limit_margin_frac)
+            holds = m.limit_w is not None and m.limit_w <= want_limit + LIMIT_TOLERANCE_W
+            waiting = m.limited and not holds and age >= LIMIT_SET_GRACE_S
+            if age < MAX_S and not waiting and m.power_w > share_w:
+                out = max(share_w, min(prev, held_w, m.power_w * (1.0 + FOLLOW_SLACK_FRAC)))
+            if m.limited:
+                self.limit_w, self.limit_holds = want_limit, holds
+        if out <= share_w + 1e-9:
+            out, self.since = share_w, None
+        self.ceiling_w = out
+        return out
+
+    def reset(self) -> None:
+        self.ceiling_w, self.since, self.limit_w, self.limit_holds = None, None, None, False

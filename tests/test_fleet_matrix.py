@@ -1,0 +1,119 @@
+"""The fleet scenario matrix's machinery: its cases, their loads and the figures it reports,
+and one short static-split run of a case through fleet-bench's own runner."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from powerbatch.cli import fleet_bench, fleet_matrix
+from powerbatch.cli.main import build_parser
+
+
+def matrix_args(*extra: str) -> Any:
+    a = build_parser().parse_args(["fleet-bench", "--matrix", "reduced", *extra])
+    a.duration_s = 20.0 if a.duration_s is None else a.duration_s
+    return a
+
+
+@pytest.mark.parametrize("cases", [fleet_matrix.reduced_cases(), fleet_matrix.full_cases(1)])
+def test_every_case_has_a_static_split_each_gpu_set_accepts(cases: list[Any]) -> None:
+    assert {c.load for c in cases} == {"moving", "diurnal", "bursts", "even"}
+    for c in cases:
+        budget = c.budget_w()
+        for plant in c.plants():
+            prof = plant.profile
+            assert prof.min_limit_w_per_gpu * prof.num_gpus <= budget / c.members
+            limit = fleet_bench.split_limit_w(plant, budget, c.members)
+            assert limit <= prof.tdp_w and limit <= budget / c.members + 1e-9
+    full = fleet_matrix.full_cases(1)
+    assert {c.members for c in full} == {2, 4, 8}
+    assert {c.period_s for c in full if c.load == "moving"} >= {5.0, 15.0, 30.0, 60.0}
+    assert any(len(set(c.kinds)) > 1 for c in full) and any(len(set(c.meters)) > 1 for c in full)
+
+
+def test_the_loads_are_what_each_case_says() -> None:
+    a = matrix_args("--duration-s", "40")
+    moving, _, diurnal, bursts, even, _ = fleet_matrix.reduced_cases()
+    ns = fleet_matrix.case_args(a, moving)
+    plans = [ns.plan_for(i, ns, 1) for i in range(moving.members)]
+    assert plans == [ns.plan_for(i, ns, 1) for i in range(moving.members)]  # same seeds
+    for k in range(4):  # the hot member of each window gets the most requests
+        counts = [sum(1 for r in p if k * 10 <= r.t_s < (k + 1) * 10) for p in plans]
+        assert int(np.argmax(counts)) == k % moving.members
+    ns = fleet_matrix.case_args(a, even)
+    counts = [len(ns.plan_for(i, ns, 1)) for i in range(even.members)]
+    assert max(counts) < 1.3 * min(counts)  # even: nothing to move
+    for case in (diurnal, bursts):  # out of phase: the members' busiest seconds differ
+        ns = fleet_matrix.case_args(a, case)
+        starts = [
+            [
+                (ph.duration_s, ph.rate_rps)
+                for ph in fleet_matrix.member_phases(case, i, 10.0, 1, 40.0)
+            ]
+            for i in range(case.members)
+        ]
+        assert len({tuple(s) for s in starts}) > 1
+    total = sum(
+        fleet_matrix.sustain_rps(p, fleet_matrix.output_median(moving, moving.plants()))
+        * moving.peak_over_sustain
+        for p in moving.plants()
+    )
+    for case in fleet_matrix.reduced_cases():  # every plan ends (phase boundaries add up)
+        ns = fleet_matrix.case_args(a, case)
+        assert all(ns.plan_for(i, ns, 1) for i in range(case.members))
+    assert total <= fleet_matrix.MAX_FLEET_RPS * 1.01  # answers lengthened to fit
+
+
+def _run(goodput: float, over: int, pq: float | None, moves: list[float]) -> dict[str, Any]:
+    return {
+        "goodput_rps": goodput,
+        "seconds_over_budget": over,
+        "seconds": 20,
+        "power_while_queued_over_budget": pq,
+        "mean_total_w": 1000.0,
+        "seconds_to_move_watts": moves,
+    }
+
+
+def test_the_figures_are_ratios_to_the_static_split_of_the_same_seed(tmp_path: Path) -> None:
+    case = fleet_matrix.reduced_cases()[0]
+    runs = {
+        "hwcap": [_run(4.0, 0, 0.8, []), _run(5.0, 0, 0.82, [])],
+        "fleet": [_run(6.0, 0, 0.97, [1.0, 3.0]), _run(5.0, 1, 0.96, [2.0])],
+        "fleet-admission": [_run(2.0, 0, 0.9, [4.0]), _run(4.0, 0, None, [])],
+    }
+    s = fleet_matrix.case_summary(case, runs)
+    assert s["fleet"]["goodput_over_static"] == pytest.approx([1.5, 1.0])
+    assert s["fleet"]["median_seconds_to_move_watts"] == 2.0
+    s2 = fleet_matrix.case_summary(fleet_matrix.reduced_cases()[4], {
+        "hwcap": [_run(4.0, 0, 0.8, [])], "fleet": [_run(3.0, 0, 0.9, [])],
+        "fleet-admission": [_run(4.4, 0, 0.9, [])]})  # fmt: skip
+    over = fleet_matrix.overall([s, s2])
+    assert over["fleet"]["worst_goodput_over_static"] == pytest.approx(0.75)
+    assert over["fleet"]["worst_case"] == s2["case"]["name"]
+    assert over["fleet"]["seconds_over_budget"] == 1
+    assert over["fleet-admission"]["median_goodput_over_static"] == pytest.approx((0.65 + 1.1) / 2)
+    text = fleet_matrix.table([s, s2])
+    assert case.name in text and "1.25 (1.00-1.50)" in text
+    fleet_matrix.plot([s, s2], tmp_path / "m.png")
+    assert (tmp_path / "m.png").stat().st_size > 0
+
+
+def test_a_static_split_run_of_a_case_caps_each_gpu_set_and_counts_waiting_work(
+    tmp_path: Path,
+) -> None:
+    """fleet-bench's runner on a two-member case, hardware caps only (no proxy, no Redis)."""
+    a = matrix_args("--duration-s", "3", "--drain-timeout-s", "3")
+    case = fleet_matrix.reduced_cases()[1]  # an 8B and a 70B-class set, two meters
+    ns = fleet_matrix.case_args(a, case)
+    run = asyncio.run(asyncio.wait_for(fleet_bench.run_arm("hwcap", ns, 1, tmp_path), 35))
+    assert run["requests"] > 0 and run["seconds"] == 3
+    assert run["max_total_w"] > 0
+    limits = [fleet_bench.split_limit_w(p, ns.budget_w, 2) for p in ns.plants]
+    assert run["max_total_w"] <= sum(limits) * 1.02  # each capped at its split
+    assert run["queued_seconds"] >= 0 and "status_rows" in run
