@@ -199,6 +199,7 @@ class Controller:
                 batch=self._batch,
                 running=in_flight,
                 target_w=target_w,
+                seen_peak_tok_s=self.demand.prefill_peak(obs.t_s, obs.seen),
             )
         idx = self._batch - cfg.min_batch
         return self._decide(

@@ -23,6 +23,7 @@ class DemandLaw:
             1.0, prior.kv_tokens_per_request, 100.0, prior.decode_tok_s_per_request
         )
         self._demand: deque[tuple[float, int]] = deque()
+        self._prefill: deque[tuple[float, float]] = deque()
 
     def learn(self, f: Features) -> None:
         """Move the per-request shape towards the load now (nothing to learn from no load)."""
@@ -37,6 +38,16 @@ class DemandLaw:
             (1 - a) * s.prefill_tok_s + a * per.prefill_tok_s,
             (1 - a) * s.decode_tok_s + a * per.decode_tok_s,
         )
+
+    def prefill_peak(self, t_s: float, seen: Features) -> float:
+        """The highest prompt flow the meter has seen over `demand_window_s` (tokens/s): what
+        the prefill pace may explore beyond, whatever the flow per request in flight says
+        (under a binding pace, requests in flight are few, and so is their flow)."""
+        window = self.config.gains.demand_window_s
+        self._prefill.append((t_s, seen.prefill_tok_s))
+        while self._prefill and self._prefill[0][0] < t_s - window:
+            self._prefill.popleft()
+        return max(r for _, r in self._prefill)
 
     def cap(self, t_s: float, demand: int) -> int:
         """The largest batch demand asks for: its recent peak with headroom."""

@@ -10,8 +10,10 @@ to prompts: a meter a second behind would otherwise see the room twice at the st
 Requests still queued are not counted: the pace is what admits them. The watts are the model's
 upper bound at r less its upper bound at `seen`, so a rate the model has seen little of (its
 bound widens away from the data) is priced higher than its mean. Near the target the pace is
-about the prompt flow now; over it, slower. It never exceeds `pace_max` × the batch's steady
-prompt flow (a burst let through at once is a burst of watts the model has not seen) and never
+about the prompt flow now; over it, slower. It never exceeds `pace_max` × the larger of the
+batch's steady prompt flow and the highest flow the meter saw lately (a burst let through at
+once is a burst of watts the model has not seen; the flow it has seen is the base it explores
+from, so a binding pace, which keeps the batch small, cannot starve itself) and never
 falls under `min_prefill_tok_s` (a trickle still feeds the batch; the batch law, not a stalled
 queue, answers a plant whose decode fills the target). Not counted: one reading's spread (the
 batch law adds it; added here too, it starved the batch of prompts). Off under a device limit,
@@ -40,12 +42,14 @@ def prefill_pace(
     batch: int,
     running: float,
     target_w: float,
+    seen_peak_tok_s: float = 0.0,
 ) -> float | None:
     """The pace in prompt tokens/s, or None when pacing is off."""
     if not config.prefill_pacing:
         return None
     floor = config.min_prefill_tok_s
-    top = max(per_request.prefill_tok_s * batch * config.gains.pace_max, floor)
+    steady = max(per_request.prefill_tok_s * batch, seen_peak_tok_s)
+    top = max(steady * config.gains.pace_max, floor)
     rates = np.geomspace(floor, top, RATES)
     ahead = seen.per_request().scaled(max(min(float(batch), running), seen.batch, 1.0))
     rows = np.vstack([design_prefill_sweep(ahead, rates), design_row(seen)])
