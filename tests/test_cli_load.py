@@ -86,3 +86,16 @@ def test_plan_is_cut_at_the_request_count_and_keeps_the_seeded_prefix() -> None:
     assert len(long) == 500
     assert plan_for(profile, 3, 20.0, None) == long[: len(plan_for(profile, 3, 20.0, None))]
     assert all(r.t_s < 5.0 for r in plan_for(profile, 3, 5.0, 10_000))
+
+
+def test_a_plan_moves_past_a_phase_boundary_that_rounding_puts_before_itself() -> None:
+    from powerbatch.load.profile import LoadProfile, Phase
+
+    # Drawn durations whose cycle boundaries land a hair before themselves in binary: the
+    # plan used to spin there forever.
+    durations = (4.640250967589453, 2.253613639465157, 0.7663279055852654)
+    rates = (5.0, 0.5, 2.0)
+    phases = tuple(Phase(d, r) for d, r in zip(durations, rates, strict=True))
+    profile = LoadProfile("drawn", phases)
+    plan = profile.plan(20.0, seed=0)
+    assert plan and all(0.0 <= r.t_s < 20.0 for r in plan)

@@ -6,6 +6,7 @@ load. Lengths are lognormal, the usual fit for chat prompts and answers (ShareGP
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -66,6 +67,9 @@ class LoadProfile:
             rate = self.phases[i].rate_rps
             phase_end = t - (t % sum(p.duration_s for p in self.phases))
             phase_end += sum(p.duration_s for p in self.phases[: i + 1])
+            # At a boundary that float rounding puts a hair before itself, `phase_at` still
+            # names the phase that ends there: step past it, or the draw never moves on.
+            phase_end = max(phase_end, math.nextafter(t, math.inf))
             if rate <= 0:
                 t = phase_end
                 continue
