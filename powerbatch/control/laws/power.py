@@ -35,9 +35,10 @@ CENSORED_FRAC = 0.98
 BIAS_KEEP = 0.8
 """The model's bias at the batch in flight is an EWMA keeping this much per tick's reading."""
 SEEN_LEAD = 2.0
-"""The batch grows to at most this multiple (plus one) of the batch the latest reading saw: a
-meter seconds behind cannot vouch for more, and the model's slope away from its data is a
-guess. Growth so paced doubles once per dead time (the meter's lag plus its window)."""
+"""The batch grows to at most this multiple (plus one) of the batch the latest reading saw, or
+the initial batch: a meter seconds behind cannot vouch for more, and the model's slope away
+from its data is a guess. Growth so paced doubles once per dead time (the meter's lag plus its
+window)."""
 MIN_SPREAD_SAMPLES = 20
 """Readings needed before the meter's own spread bounds one reading's noise."""
 
@@ -202,5 +203,5 @@ class PowerLaw:
         # A step that overshoots the room must not stop the one request that fits (a boosted
         # step under a long queue); one, not as many as fit, since the anchor is one reading.
         probe = next((n for n in (current + step, current + 1) if anchored_upper(n) <= room_w), 0)
-        lead = math.ceil(SEEN_LEAD * max(anchor_batch, 1.0)) + 1
+        lead = max(math.ceil(SEEN_LEAD * max(anchor_batch, 1.0)) + 1, cfg.initial_batch)
         return max(min(max(n_grow, probe), lead), current)
