@@ -29,9 +29,10 @@ from powerbatch.fleet.member import FleetMember, MemberSignals
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-BUDGET_W = 1260.0
-# The other member's demand while it is hot: vLLM keeps the rest, 70 W under its safe share of
-# 630 W, a cut larger than the leader's dead band (a tenth of the safe share).
+BUDGET_W = 1100.0
+# The other member's demand while it is hot: vLLM keeps its fair floor, the budget / N (550 W),
+# under what the CPU vLLM draws unbounded (~600 W), so that the share binds; when the other's
+# demand goes, vLLM may take up to its own limit.
 OTHER_WANT_W = 700.0
 VLLM_MIN_W, VLLM_MAX_W = 200.0, 700.0
 TTL_S = 3.0
@@ -200,9 +201,11 @@ def test_vllm_plugin_member_follows_its_share(tmp_path: Path) -> None:
             # Both members live on one budget.
             assert med(small, "members") == 2 and med(large, "members") == 2
             assert max(r["fallback"] for r in small + large) == 0
-            # The share: the rest of the budget while the other member is hot, then the most
-            # vLLM may take, within a few lease periods.
-            assert med(small, "share_w") <= BUDGET_W - OTHER_WANT_W + 1.0
+            # The share: its fair floor (budget / N; docs/fleet.md) while the other member is
+            # hot and worth more, not the other's whole want, then the most vLLM may take,
+            # within a few lease periods.
+            assert med(small, "share_w") <= BUDGET_W / 2 + 1.0
+            assert med(small, "share_w") < VLLM_MAX_W
             assert med(large, "share_w") >= 0.9 * VLLM_MAX_W
             assert moved_s is not None and moved_s <= 4 * TTL_S
             # The limit in force in vLLM's scheduler follows the share, and the power holds it.
