@@ -86,8 +86,10 @@ class MeterLag:
         self.lag_s = self.lags_s[-1] if assume_late else 0.0
         self._t: deque[float] = deque()
         self._f: deque[Features] = deque()
-        # (t, watts, weight, the features at each candidate lag) per reading
-        self._rows: deque[tuple[float, float, float, tuple[Features, ...]]] = deque(maxlen=window)
+        # (t, watts, weight, the features at each candidate lag, their regression rows)
+        self._rows: deque[tuple[float, float, float, tuple[Features, ...], np.ndarray]] = deque(
+            maxlen=window
+        )
 
     def remember(self, t_s: float, features: Features) -> None:
         self._t.append(t_s)
@@ -110,8 +112,9 @@ class MeterLag:
         (the readings so far, paired anew, are then in `pairs()`)."""
         if not self._t or self._t[0] > t_s - self.lags_s[-1]:
             return False  # too early to pair this reading with every candidate
-        feats = [f for lag in self.lags_s if (f := self.at(t_s - lag)) is not None]
-        self._rows.append((t_s, power_w, weight, tuple(feats)))
+        feats = tuple(f for lag in self.lags_s if (f := self.at(t_s - lag)) is not None)
+        rows = np.array([_lag_row(f) for f in feats])  # built once per reading
+        self._rows.append((t_s, power_w, weight, feats, rows))
         if len(self._rows) < self.min_readings:
             return False
         before = self.lag_s
@@ -122,12 +125,10 @@ class MeterLag:
         """The readings kept, each with the load of the lag now believed: (t, features, watts,
         weight), oldest first, for a model that learned them at the wrong lag to learn anew."""
         i = self.lags_s.index(self.lag_s)
-        return [(t, f[i], p, w) for t, p, w, f in self._rows]
+        return [(t, f[i], p, w) for t, p, w, f, _ in self._rows]
 
     def _choose(self) -> None:
-        x = np.array([[_lag_row(f) for f in r[3]] for r in self._rows]).transpose(
-            1, 0, 2
-        )  # (lags, readings, k)
+        x = np.stack([r[4] for r in self._rows], axis=1)  # (lags, readings, k)
         y = np.fromiter((r[1] for r in self._rows), float, len(self._rows))
         if np.ptp(y) <= 0.0:
             return
