@@ -85,8 +85,9 @@ class PowerLaw:
         """Learn the reading against the load it measured (a Smith predictor for the meter's
         dead time), once, unless it is censored; keep it for the meter's spread."""
         assert obs.power_w is not None
-        if obs.relearn and not censored:
+        if obs.relearn and obs.power_limit_w is None:
             # The meter's lag was misjudged: what was learned paired watts with the wrong load.
+            # Not under a device limit: the kept readings may show the cap, not the load.
             self.model.forget()
             for t_s, seen, power_w, weight in obs.relearn:
                 self.model.observe(t_s, seen, power_w, weight)
