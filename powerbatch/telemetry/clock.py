@@ -44,6 +44,7 @@ from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
 
 from powerbatch.errors import ClockError, ConfigError, TelemetryError
+from powerbatch.telemetry.base import Backoff
 from powerbatch.telemetry.gpu_ids import GpuId
 from powerbatch.telemetry.limiter import LimitStateFile, default_state_dir
 from powerbatch.telemetry.nvml import NvmlClockLocker
@@ -384,14 +385,11 @@ class ClockActuator:
     ) -> None:
         if dead_band_mhz < 0 or min_interval_s < 0 or timeout_s <= 0:
             raise ValueError("dead_band_mhz and min_interval_s must be >= 0, timeout_s > 0")
-        if not 0 < backoff_initial_s <= backoff_max_s:
-            raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
         self.backend = backend
         self.dead_band_mhz = dead_band_mhz
         self.min_interval_s = min_interval_s
         self.timeout_s = timeout_s
-        self.backoff_initial_s = backoff_initial_s
-        self.backoff_max_s = backoff_max_s
+        self.backoff = Backoff(backoff_initial_s, backoff_max_s)
         self._clock = clock
         self.in_force: Lock | None = None  # None: unlocked (the driver's policy)
         self.known = True  # False after a failed reset: what is in force is unknown
@@ -404,8 +402,6 @@ class ClockActuator:
         self.fallbacks_total = 0
         self.last_change_s: float | None = None
         self._started = False
-        self._backoff_s = backoff_initial_s
-        self._retry_at_s = -math.inf
 
     @property
     def name(self) -> str:
@@ -431,7 +427,7 @@ class ClockActuator:
         if not self.backend.controls_device:
             return "inactive"
         if self.degraded or not self._started:
-            return "apply" if now_s >= self._retry_at_s else "backoff"
+            return "apply" if self.backoff.ready(now_s) else "backoff"
         if target == self.in_force and self.known:
             return "same"
         if target is None or self.in_force is None or not self.known:
@@ -485,7 +481,7 @@ class ClockActuator:
         if self.degraded:
             _log.info("%s: clock control recovered", self.name)
         self.degraded, self.degraded_reason = False, None
-        self._backoff_s = self.backoff_initial_s
+        self.backoff.succeeded()
         before, self.in_force, self.known = self.in_force, target, True
         self.last_change_s = now_s
         self.changes_total += 1
@@ -508,16 +504,15 @@ class ClockActuator:
             exc = ClockError(f"{what}: no answer within {self.timeout_s:g} s")
         reason = f"{type(exc).__name__}: {exc}"
         self.failures_total += 1
-        self._retry_at_s = now_s + self._backoff_s
+        wait_s = self.backoff.failed(now_s)
         _log.warning(
             "%s: %s failed, clock control degraded%s (retry in %.0f s): %s",
             self.name,
             what,
             ", falling back to unlocked clocks" if fallback else "",
-            self._backoff_s,
+            wait_s,
             reason,
         )
-        self._backoff_s = min(self._backoff_s * 2.0, self.backoff_max_s)
         self.degraded, self.degraded_reason = True, reason
 
     async def sample(self) -> float | None:

@@ -54,6 +54,7 @@ from powerbatch.errors import (
     PowerLimitError,
     TelemetryError,
 )
+from powerbatch.telemetry.base import Backoff
 from powerbatch.telemetry.gpu_ids import GpuId
 from powerbatch.telemetry.nvml import NvmlPowerLimiter
 from powerbatch.telemetry.settings import LimiterSettings
@@ -529,14 +530,11 @@ class LimitActuator:
     ) -> None:
         if dead_band_w < 0 or min_interval_s < 0 or timeout_s <= 0:
             raise ValueError("dead_band_w and min_interval_s must be >= 0, timeout_s > 0")
-        if not 0 < backoff_initial_s <= backoff_max_s:
-            raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
         self.limiter = limiter
         self.dead_band_w = dead_band_w
         self.min_interval_s = min_interval_s
         self.timeout_s = timeout_s
-        self.backoff_initial_s = backoff_initial_s
-        self.backoff_max_s = backoff_max_s
+        self.backoff = Backoff(backoff_initial_s, backoff_max_s)
         self._clock = clock
         self.in_force_w: float | None = None
         self.requested_w: float | None = None
@@ -546,8 +544,6 @@ class LimitActuator:
         self.failures_total = 0
         self.last_change_s: float | None = None
         self._started = False
-        self._backoff_s = backoff_initial_s
-        self._retry_at_s = -math.inf
 
     @classmethod
     def from_settings(cls, limiter: PowerLimiter, settings: LimiterSettings) -> LimitActuator:
@@ -570,7 +566,7 @@ class LimitActuator:
         if not self.limiter.controls_device:
             return "inactive"
         if self.degraded or not self._started:
-            return "apply" if now_s >= self._retry_at_s else "backoff"
+            return "apply" if self.backoff.ready(now_s) else "backoff"
         if self.in_force_w is None:
             return "apply"
         delta_w = self._target_w(requested_w) - self.in_force_w
@@ -619,7 +615,7 @@ class LimitActuator:
         if self.degraded:
             _log.info("%s: power limit control recovered", self.limiter.name)
         self.degraded, self.degraded_reason = False, None
-        self._backoff_s = self.backoff_initial_s
+        self.backoff.succeeded()
         self.in_force_w = in_force_w
         self.last_change_s = now_s
         self.changes_total += 1
@@ -631,15 +627,14 @@ class LimitActuator:
         reason = f"{type(exc).__name__}: {exc}"
         self.failures_total += 1
         self.in_force_w = None
-        self._retry_at_s = now_s + self._backoff_s
+        wait_s = self.backoff.failed(now_s)
         _log.warning(
             "%s: %s failed, power limit control degraded (retry in %.0f s): %s",
             self.limiter.name,
             what,
-            self._backoff_s,
+            wait_s,
             reason,
         )
-        self._backoff_s = min(self._backoff_s * 2.0, self.backoff_max_s)
         self.degraded, self.degraded_reason = True, reason
 
     async def restore(self) -> None:
