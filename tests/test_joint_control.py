@@ -20,6 +20,7 @@ from powerbatch.cli.serve import build
 from powerbatch.cli.settings import SERVE, ServeSettings
 from powerbatch.control import ControlConfig, Observation
 from powerbatch.control.controller import Controller
+from powerbatch.control.latency import LatencySnapshot
 from powerbatch.estimate import Features
 from powerbatch.settings import load
 from powerbatch.sim import SimEngine
@@ -31,12 +32,28 @@ def uncapped_w(n: float) -> float:
     return 480.0 + 210.0 / (1.0 + math.exp(-1.26 * (math.log2(max(n, 1.0)) - 5.46)))
 
 
+def tpot_s(n: float, limit_w: float | None) -> float:
+    """Time per token: memory-bound decode steps lengthen with the batch, and a cap slows them
+    as (demand / limit)^0.5 (decode throttles cheaply)."""
+    step_s = 0.012 + 0.0004 * n
+    if limit_w is not None and uncapped_w(n) > limit_w:
+        step_s *= (uncapped_w(n) / limit_w) ** 0.5
+    return step_s
+
+
 def closed_loop(
-    *, limiter: bool, ceiling_w: float = 600.0, seconds: float = 90.0, fail_at_s: float = math.inf
+    *,
+    limiter: bool,
+    ceiling_w: float = 600.0,
+    seconds: float = 90.0,
+    fail_at_s: float = math.inf,
+    tpot_slo_s: float | None = None,
 ) -> list[tuple[float, float, int, bool, str, float | None]]:
-    """5 Hz ticks; the driver holds power under the limit in force (if any) within the tick."""
+    """5 Hz ticks; the driver holds power under the limit in force (if any) within the tick.
+    With `tpot_slo_s`, the controller also sees the batch's p95 time per token."""
     rng = np.random.default_rng(2)
-    ctl = Controller(ControlConfig(ceiling_w=ceiling_w, warmup_s=2.0))
+    slo = {"tpot_slo_s": tpot_slo_s} if tpot_slo_s else {}
+    ctl = Controller(ControlConfig(ceiling_w=ceiling_w, warmup_s=2.0, **slo))
     limit_n = ctl.config.initial_batch
     limit_w: float | None = None
     out = []
@@ -48,7 +65,12 @@ def closed_loop(
         if in_force is not None:
             power = min(power, in_force + rng.normal(0, 1.0))
         feats = Features(batch, 900.0 * batch, 40.0 * batch, 30.0 * batch)
-        d = ctl.tick(Observation(t, power, True, feats, batch, 500, power_limit_w=in_force))
+        lat = None
+        if tpot_slo_s:
+            lat = LatencySnapshot(None, tpot_s(batch, in_force), {}, 50)
+        d = ctl.tick(
+            Observation(t, power, True, feats, batch, 500, latency=lat, power_limit_w=in_force)
+        )
         limit_n = d.enforced.max_requests
         limit_w = d.power_limit_w
         out.append((t, power, limit_n, d.capped, d.binding, d.power_limit_w))
@@ -61,15 +83,38 @@ def test_the_limit_holds_the_ceiling_and_admission_runs_a_bigger_batch() -> None
     late_c = [r for r in capped if r[0] >= 40]
     late_a = [r for r in alone if r[0] >= 40]
     assert all(p <= 600.0 for _, p, *_ in late_c)  # the driver and the controller hold it
-    assert all(r[3] for r in late_c) and {r[4] for r in late_c} <= {"power", "demand"}
+    assert all(r[3] for r in late_c) and "power" not in {r[4] for r in capped}
     assert all(r[5] == 594.0 for r in late_c)  # ceiling less 1%
     batch_c = float(np.median([r[2] for r in late_c]))
     batch_a = float(np.median([r[2] for r in late_a]))
-    # Throttled a little, the GPU serves a larger batch than admission alone dares: uncapped,
-    # the plant breaks 600 W near batch 52; admission alone stops short of its margin.
+    # Throttled, the GPU serves a larger batch than admission alone dares: uncapped, the plant
+    # breaks 600 W near batch 52; admission alone stops short of its margin.
     assert batch_c > 1.15 * batch_a, (batch_c, batch_a)
-    # ... but not deep into throttling: the model's uncapped demand stays within the allowance.
-    assert uncapped_w(batch_c) <= 594.0 * 1.15 + 15.0, batch_c
+
+
+def test_under_the_limit_neither_warm_up_nor_growth_steps_hold_a_burst() -> None:
+    """The limit holds the ceiling from the first tick it is in force: the batch is where the
+    other laws put it within a second, as under the hardware cap, not after a warm-up at the
+    initial batch and a doubling per reading."""
+    capped = closed_loop(limiter=True, seconds=20)
+    settled = float(np.median([r[2] for r in capped if r[0] >= 10]))
+    first_s = next(r[0] for r in capped if r[2] >= 0.9 * settled)
+    assert first_s <= 1.0, (first_s, settled)
+    assert all(p <= 600.0 for t, p, *_ in capped if t >= 0.4)
+
+
+def test_how_deep_a_capped_batch_throttles_is_the_latency_laws() -> None:
+    """Power bounds no batch under the limit; p95 time per token over its SLO does: the batch
+    comes down to about the largest that meets it (`fits`), and without the SLO it runs on."""
+    slo_s = 0.05
+    fits = max(n for n in range(1, 257) if tpot_s(n, 594.0) <= slo_s)
+    held = closed_loop(limiter=True, seconds=120, tpot_slo_s=slo_s)
+    late = [r for r in held if r[0] >= 90]
+    batch = float(np.median([r[2] for r in late]))
+    assert 0.6 * fits <= batch <= 1.1 * fits, (batch, fits)
+    assert "latency" in {r[4] for r in late}
+    free = closed_loop(limiter=True, seconds=30)
+    assert float(np.median([r[2] for r in free if r[0] >= 20])) > 1.5 * fits
 
 
 def test_a_failed_limiter_falls_back_to_admission_alone() -> None:

@@ -104,15 +104,13 @@ class Gains:
     demand_slack: int = setting(2, "and by this many requests", ge=0)
     demand_window_s: float = setting(10.0, "window of recent peak demand, s", gt=0)
     # Device limit. With a power limiter, the limit is set at ceiling × (1 − limit_margin_frac):
-    # the driver holds it within milliseconds, so it needs only a sliver of margin. Admission
-    # then lets the model's uncapped demand run up to throttle_allowance over the limit: decode
-    # is memory-bound, so a shallow throttle costs little, while deep throttling serves the same
-    # tokens slower (ML.ENERGY leaderboard power-limit sweeps; Patel et al., ASPLOS'24).
+    # the driver holds it within milliseconds, so it needs only a sliver of margin. Power then
+    # bounds no batch: a capped batch serves more tokens the larger it is (decode is
+    # memory-bound, so the throttle costs it little: ML.ENERGY leaderboard power-limit sweeps;
+    # Patel et al., ASPLOS'24), and how deep it may throttle is the latency law's, by p95 time
+    # per token, which is what throttling costs a user.
     limit_margin_frac: float = setting(
         0.01, "the device limit is set this share under the ceiling", ge=0, lt=0.5
-    )
-    throttle_allowance: float = setting(
-        0.15, "admission lets uncapped demand exceed the device limit by this share", ge=0, le=1
     )
     # Under a device limit, the most urgent class may also take reserve_frac × batch slots
     # beyond the batch limit: its first tokens need not wait behind batch work, and the cap,

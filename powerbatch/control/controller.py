@@ -7,7 +7,8 @@ in `powerbatch.control.laws`, where its docstring states it:
 
 * `sensor`: no trustworthy watts, fail closed to the safe batch;
 * `power`: the ceiling, by the meter for here and the model for there, λ_power on the measured
-  violation, the breach cut, and the device limit's judgement of demand;
+  violation, and the breach cut; under a device limit power bounds no batch (the limit holds
+  the ceiling, the latency law prices how deep a batch throttles);
 * `latency`: λ_latency on p95 time per token; p95 TTFT only speeds growth;
 * `kv`: λ_kv on the upstream's KV-cache usage shrinks the KV cap;
 * `demand`: the per-request shape, and how far the batch may lead recent demand;
@@ -132,8 +133,9 @@ class Controller:
 
         step = self.latency.step(max(1, math.ceil(current * g.step_up_frac)), obs.latency)
         hysteresis_w = cfg.hysteresis_at(ceiling_w)
-        caps = {
-            Binding.POWER: self.power.cap(
+        caps: dict[Binding, int] = {}
+        if not capped:  # under a device limit the driver holds the ceiling: power bounds no batch
+            caps[Binding.POWER] = self.power.cap(
                 judged.demand_w,
                 target_w,
                 current,
@@ -142,13 +144,11 @@ class Controller:
                 pred.mean_w,
                 pred.upper_w,
                 hysteresis_w,
-                # Under a device limit the meter is the cap's, not the load's: no correction.
-                in_flight=anchor if capped else in_flight,
-            ),
-            Binding.LATENCY: int(self.latency.batch),
-            Binding.DEMAND: self.demand.cap(obs.t_s, in_flight + queued),
-            Binding.MAX_BATCH: cfg.max_batch,
-        }
+                in_flight=in_flight,
+            )
+        caps[Binding.LATENCY] = int(self.latency.batch)
+        caps[Binding.DEMAND] = self.demand.cap(obs.t_s, in_flight + queued)
+        caps[Binding.MAX_BATCH] = cfg.max_batch
         binding = min(caps, key=lambda k: caps[k])
         cap = caps[binding]
 
@@ -159,11 +159,12 @@ class Controller:
             new, binding = min(cut, cap), Binding.POWER
         elif breach:
             new = min(current, cap)
-        elif warming:
+        elif warming and not capped:
             new = min(cfg.initial_batch, cap)
         elif capped:
-            # The device limit holds the ceiling however fast the batch grows, so a burst is
-            # let in at once (to where the throttle allowance and the other constraints fit).
+            # The device limit holds the ceiling however fast the batch grows, so neither the
+            # warm-up nor the growth step holds a burst back: it is let in at once, to where
+            # the latency, demand and KV laws allow.
             new = cap
         else:
             new = cap if cap < current else min(cap, current + step)
@@ -212,7 +213,7 @@ class Controller:
             target_w=target_w,
             emergency=emergency,
             capped=capped,
-            reason=self._explain(binding, emergency, obs, ceiling_w, capped),
+            reason=self._explain(binding, emergency, obs, ceiling_w),
             deferrable=ramp.deferrable,
         )
 
@@ -254,12 +255,10 @@ class Controller:
         return power_w, float(current), in_flight, obs.queued + obs.in_flight - in_flight
 
     def _explain(
-        self, binding: Binding, emergency: bool, obs: Observation, ceiling_w: float, capped: bool
+        self, binding: Binding, emergency: bool, obs: Observation, ceiling_w: float
     ) -> str:
         if emergency:
             return f"measured {obs.power_w:.0f} W over the {ceiling_w:.0f} W ceiling: cut at once"
-        if binding is Binding.POWER and capped:
-            return "the device limit holds the ceiling; the throttle allowance sets the batch"
         ttft = obs.latency.ttft_p95_s if obs.latency else None
         slo_s = self.config.ttft_slo_s
         if binding is Binding.POWER and ttft is not None and ttft > slo_s:

@@ -9,9 +9,10 @@ prediction bound fits. Inside the dead band it holds; over the target it steps d
 feedback. A measured breach cuts the batch at once, without waiting for the model.
 
 Device limit (a second actuator, where a limiter is configured): while a limit at or under the
-ceiling is in force the meter reads the cap rather than the batch's demand. Such censored
-readings are not learned, the batch is judged by the model's uncapped demand against
-`limit × (1 + throttle_allowance)`, and λ_power rises only on a breach of the ceiling itself.
+ceiling is in force the driver holds the ceiling within milliseconds and the meter reads the cap
+rather than the batch's demand. Such censored readings are not learned, power bounds no batch
+(how deep a batch may throttle is the latency law's: p95 time per token against its SLO, which
+is what throttling costs a user), and λ_power rises only on a breach of the ceiling itself.
 """
 
 from __future__ import annotations
@@ -106,17 +107,15 @@ class PowerLaw:
         capped: bool,
         censored: bool,
     ) -> Judgement:
-        """The meter against the goal, or (capped) the model's uncapped demand against the
-        throttle allowance over the device limit; the bias is learned from fresh uncensored
-        readings, an EWMA of 0.2 a tick, a reading weighing k ticks moving it as k ticks would."""
-        cfg, g = self.config, self.config.gains
+        """The meter against the goal, or (capped) against the ceiling itself, which the device
+        limit holds; the bias is learned from fresh uncensored readings, an EWMA of 0.2 a tick,
+        a reading weighing k ticks moving it as k ticks would."""
+        cfg = self.config
         if not censored and obs.reading_weight > 0:
             rate = 1.0 - BIAS_KEEP**obs.reading_weight
             self._bias_w += rate * (power_w - model_here_w - self._bias_w)
-        if capped and obs.power_limit_w is not None:
-            demand_w = max(power_w, model_here_w + self._bias_w)
-            goal_w = obs.power_limit_w * (1.0 + g.throttle_allowance)
-            return Judgement(True, demand_w, goal_w, power_w - ceiling_w)
+        if capped:
+            return Judgement(True, power_w, ceiling_w, power_w - ceiling_w)
         goal_w = ceiling_w - cfg.margin_at(ceiling_w)
         return Judgement(capped, power_w, goal_w, power_w - goal_w)
 
