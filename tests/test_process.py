@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import run
 
-from powerbatch.cli.process import Child, ChildFailed, free_port
+from powerbatch.cli.process import Child, ChildFailed, _ephemeral_low, free_port
 from powerbatch.errors import PowerbatchError
 
 PY = (sys.executable,)
@@ -46,3 +47,13 @@ def test_async_start_wait_stop(tmp_path: Path) -> None:
         assert await child.stop() == -signal.SIGTERM  # idempotent
 
     run(go())
+
+
+def test_free_ports_are_drawn_below_the_ephemeral_range() -> None:
+    """An outgoing connection may take any ephemeral port before the child given it binds."""
+    low = _ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports), sorted(ports)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))  # free, as promised

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,9 +30,25 @@ POWERBATCH = (sys.executable, "-m", "powerbatch")
 """The default command prefix: `python -m powerbatch` of this interpreter."""
 
 
+def _ephemeral_low() -> int:
+    """The first port of the OS's ephemeral range (Linux's ip_local_port_range; 32768 else)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on at `host` now (the OS's pick; free until someone binds it)."""
-    with socket.socket() as s:
+    """A TCP port nobody listens on at `host` now, free until someone binds it. Drawn below the
+    ephemeral range: a port the OS picks for bind(0) is one it may hand to any outgoing
+    connection before the child that was given it binds (a bench starting many children at
+    once lost that race)."""
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 12_000), low)
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind((host, port))
+            return port
+    with socket.socket() as s:  # a crowded range below: the OS's pick, as before
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
