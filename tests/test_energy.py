@@ -4,6 +4,7 @@ simulator's energy counter, read by the official openai client."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 from collections import defaultdict
@@ -20,7 +21,13 @@ from powerbatch.cli.serve import build
 from powerbatch.energy import EnergyLedger, EnergyMeter, split_energy
 from powerbatch.energy.attribution import learned_prefill_weight, work_units
 from powerbatch.energy.labels import OTHER, Bounded
-from powerbatch.energy.usage import events_with_energy, split_events, usage_event_at
+from powerbatch.energy.usage import (
+    events_with_energy,
+    json_usage,
+    split_events,
+    usage_event_at,
+    with_energy,
+)
 from powerbatch.proxy.auth import ApiKeys, split_name
 from powerbatch.sim import SimEngine
 from powerbatch.sim.server import start_sim_server
@@ -299,3 +306,43 @@ def test_bench_reports_attributed_joules_per_token_by_class() -> None:
     assert out["j_per_token_by_class"] == {"high": 0.5, "normal": None, "low": 0.2}
     assert out["attributed_j"] == 24.0 and out["attributed_share"] == pytest.approx(0.8)
     assert energy_by_class([r("high", 10, None)], 30.0)["attributed_j"] is None
+
+
+def _energy_added(body: bytes, energy_j: float) -> bytes:
+    doc, usage = json_usage(body)
+    assert usage is not None
+    return with_energy(body, doc, usage, energy_j)
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"id": "a", "choices": [{"text": "x"}], "usage": {"prompt_tokens": 3}},
+        {"usage": {}, "model": "m"},
+        # a "usage" key below the top one, after it and before it, and text that looks like one
+        {"usage": {"prompt_tokens": 1}, "choices": [{"usage": {"x": 1}}]},
+        {"choices": [{"usage": {"x": 1}}], "usage": {"completion_tokens": 2}},
+        {"choices": [{"text": '"usage": {"a": [}'}], "usage": {"prompt_tokens": 4}, "z": "}"},
+        {"usage": {"prompt_tokens": 1}, "tail": ', "usage": {"prompt_tokens": 9}}'},
+        {"usage": {"prompt_tokens": 1, "energy_j": 7.0}},  # the upstream's own: replaced
+        {"usage": {"prompt_tokens": 2}, "say \"usage": {"a": 1}},
+    ],
+)
+@pytest.mark.parametrize("indent", [None, 2])
+def test_energy_goes_into_the_top_usage_object_whatever_the_bytes(
+    doc: dict[str, Any], indent: int | None
+) -> None:
+    body = json.dumps(doc, indent=indent).encode()
+    out = json.loads(_energy_added(body, 1.23456789))
+    want = json.loads(body)
+    want["usage"]["energy_j"] = 1.234568
+    assert out == want
+
+
+def test_an_answer_keeps_its_bytes_but_for_the_energy_field() -> None:
+    """The proxy relays the upstream's answer: only `"energy_j":x,` is added, nothing re-encoded."""
+    body = json.dumps(
+        {"id": "c", "choices": [{"message": {"content": "é \u2028 <"}}], "usage": {"a": 1}}
+    ).encode()
+    out = _energy_added(body, 2.5)
+    assert out == body.replace(b'"usage": {', b'"usage": {"energy_j":2.5,')

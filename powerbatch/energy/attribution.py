@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 Labels = tuple[str, str, str]
 """(priority, tenant, model): what a request's energy is totalled by."""
@@ -71,6 +71,7 @@ class IntervalSplit:
     metered_j: float
     idle_j: float
     charges_j: tuple[float, ...]  # one per request in flight, in the ledger's order
+    by_labels_j: dict[Labels, float] = field(default_factory=dict)  # the charges summed by labels
 
     @property
     def attributed_j(self) -> float:
@@ -148,15 +149,21 @@ class EnergyLedger:
         units = work_units(live, self.prefill_weight)
         idle_j, charges = split_energy(delta_j, dt_s, idle_w, units)
         totals = self.totals_j
+        by_labels: dict[Labels, float] = {}
+        finished = False
+        # One pass: this runs at every request's end, over every request in flight.
         for rec, j in zip(live, charges, strict=True):
             rec.energy_j += j
             rec.prefill_tokens = rec.decode_tokens = 0.0
-            totals[rec.labels] = totals.get(rec.labels, 0.0) + j
+            labels = rec.labels
+            totals[labels] = totals.get(labels, 0.0) + j
+            by_labels[labels] = by_labels.get(labels, 0.0) + j
+            finished = finished or rec.finished
         self.idle_j += idle_j
         self.metered_j += max(0.0, delta_j)
-        if any(r.finished for r in live):
+        if finished:
             self._live = [r for r in live if not r.finished]
-        return IntervalSplit(dt_s, max(0.0, delta_j), idle_j, tuple(charges))
+        return IntervalSplit(dt_s, max(0.0, delta_j), idle_j, tuple(charges), by_labels)
 
 
 class EnergyMeter:
