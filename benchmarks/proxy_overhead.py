@@ -495,7 +495,7 @@ async def run(cfg: Config, log_dir: Path, profile: Path | None) -> dict[str, Any
     proxy = child("proxy", argv, log_dir)
     baseline: Child | None = None
     if cfg.baseline:
-        tree = Path(cfg.baseline).resolve()
+        tree = Path(cfg.baseline)  # made absolute in main
         base_port = free_port()
         base_url = f"http://127.0.0.1:{base_port}"
         base_argv = proxy_argv(upstream, base_port, OPEN_ARGS, None, cfg.full_window, tree)
@@ -754,7 +754,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "idle_s": a.idle,
         "full_window": False if a.fresh_model else None,
         "skip": skip or None,
-        "baseline": a.baseline,
+        "baseline": str(Path(a.baseline).resolve()) if a.baseline else None,
     }
     cfg = Config(**{**asdict(cfg), **{k: v for k, v in over.items() if v is not None}})
     # 10k queued requests are 10k sockets on each side of the proxy.

@@ -325,7 +325,7 @@ def _energy_added(body: bytes, energy_j: float) -> bytes:
         {"choices": [{"text": '"usage": {"a": [}'}], "usage": {"prompt_tokens": 4}, "z": "}"},
         {"usage": {"prompt_tokens": 1}, "tail": ', "usage": {"prompt_tokens": 9}}'},
         {"usage": {"prompt_tokens": 1, "energy_j": 7.0}},  # the upstream's own: replaced
-        {"usage": {"prompt_tokens": 2}, "say \"usage": {"a": 1}},
+        {"usage": {"prompt_tokens": 2}, 'say "usage': {"a": 1}},
     ],
 )
 @pytest.mark.parametrize("indent", [None, 2])

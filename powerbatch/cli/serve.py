@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import contextlib
 import dataclasses
+import gc
 import logging
 import signal
 from types import ModuleType

@@ -67,11 +67,11 @@ def _spliced(raw: bytes, value: bytes) -> bytes | None:
     rest = raw[m.end() :].rstrip()
     if not rest.endswith(b"}"):
         return None
-    if b"{" in rest or b"[" in rest or _closes(rest) != 2:
-        # Brackets inside strings would count: take the strings out (slower, rare in usage).
-        # Without an opening one in `rest`, a closing one in a string could only add to 2.
-        if _closes(_STRING.sub(b"", rest)) != 2:
-            return None
+    # Brackets inside strings would count: take the strings out where it matters (slower,
+    # rare in usage). Without an opening one in `rest`, one in a string could only add to 2.
+    plain = b"{" not in rest and b"[" not in rest and _closes(rest) == 2
+    if not plain and _closes(_STRING.sub(b"", rest)) != 2:
+        return None
     sep = b"" if rest.startswith(b"}") else b","
     return b"".join((raw[: m.end()], b'"' + FIELD.encode() + b'":', value, sep, raw[m.end() :]))
 

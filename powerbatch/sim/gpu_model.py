@@ -308,7 +308,7 @@ def _mem_time_s(profile: GpuProfile, t0_s: float, sm_share: float) -> float:
     """The memory part of a step's time `t0_s` at the top clock, given the share the SMs
     would need alone (the roofline split that `_part_time_s` adds back)."""
     p = profile.roofline_p
-    return t0_s * max(1.0 - sm_share**p, 0.0) ** (1.0 / p)
+    return float(t0_s * max(1.0 - sm_share**p, 0.0) ** (1.0 / p))
 
 
 def clocked_part(

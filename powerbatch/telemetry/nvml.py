@@ -224,9 +224,7 @@ class _NvmlDevices:
     """The GPUs a setter drives (power limits, SM clocks): NVML and a handle each, every call
     made per GPU, and an NVML failure told in the setter's own error (`_error`)."""
 
-    def __init__(
-        self, gpu_indices: Sequence[GpuId], nvml: ModuleType | None, purpose: str
-    ) -> None:
+    def __init__(self, gpu_indices: Sequence[GpuId], nvml: ModuleType | None, purpose: str) -> None:
         try:
             self._nvml = _load(nvml)
             self._devices = _NvmlHandles(self._nvml, gpu_indices)
