@@ -224,17 +224,20 @@ class _NvmlDevices:
     """The GPUs a setter drives (power limits, SM clocks): NVML and a handle each, every call
     made per GPU, and an NVML failure told in the setter's own error (`_error`)."""
 
-    def __init__(self, gpu_indices: Sequence[GpuId], nvml: ModuleType | None, purpose: str) -> None:
+    def __init__(
+        self,
+        gpu_indices: Sequence[GpuId],
+        nvml: ModuleType | None,
+        failed: Callable[[str], Exception],
+        purpose: str,
+    ) -> None:
         try:
             self._nvml = _load(nvml)
             self._devices = _NvmlHandles(self._nvml, gpu_indices)
         except (SensorUnavailable, SensorReadError) as exc:
-            raise self._open_error(f"cannot open GPUs for {purpose}: {exc}") from exc
+            raise failed(f"cannot open GPUs for {purpose}: {exc}") from exc
         self.gpu_indices = self._devices.indices
         self._no_permission = _codes(self._nvml, ("NVML_ERROR_NO_PERMISSION",))
-
-    def _open_error(self, message: str) -> Exception:
-        raise NotImplementedError
 
     def _error(self, exc: Exception, index: GpuId, what: str) -> Exception:
         raise NotImplementedError
@@ -263,7 +266,7 @@ class NvmlPowerLimiter(_NvmlDevices):
     def __init__(
         self, gpu_indices: Sequence[GpuId] = (0,), *, nvml: ModuleType | None = None
     ) -> None:
-        super().__init__(gpu_indices, nvml, "power limiting")
+        super().__init__(gpu_indices, nvml, LimiterUnavailable, "power limiting")
         self._unavailable = _codes(self._nvml, _UNAVAILABLE_CODES)
         self._constraints_w = self._per_gpu(
             "nvmlDeviceGetPowerManagementLimitConstraints", self._read_constraints_w
@@ -272,9 +275,6 @@ class NvmlPowerLimiter(_NvmlDevices):
     def _read_constraints_w(self, handle: Any) -> tuple[float, float]:
         min_mw, max_mw = self._nvml.nvmlDeviceGetPowerManagementLimitConstraints(handle)
         return float(min_mw) / 1000.0, float(max_mw) / 1000.0
-
-    def _open_error(self, message: str) -> Exception:
-        return LimiterUnavailable(message)
 
     def _error(self, exc: Exception, index: GpuId, what: str) -> PowerLimitError:
         if _error_code(exc) in self._no_permission:
@@ -336,10 +336,7 @@ class NvmlClockLocker(_NvmlDevices):
     def __init__(
         self, gpu_indices: Sequence[GpuId] = (0,), *, nvml: ModuleType | None = None
     ) -> None:
-        super().__init__(gpu_indices, nvml, "clock control")
-
-    def _open_error(self, message: str) -> Exception:
-        return ClockError(message)
+        super().__init__(gpu_indices, nvml, ClockError, "clock control")
 
     def _error(self, exc: Exception, index: GpuId, what: str) -> ClockError:
         hint = ""
