@@ -319,7 +319,8 @@ class AdmissionQueue:
         if self.in_flight == 0 and self._idle is not None:
             self._idle.set()
             self._idle = None
-        self._dispatch()
+        if self.queued:  # nobody waiting: nothing to grant (records of the gone wait too)
+            self._dispatch()
 
     def _head(self) -> _Waiter | None:
         for lane in LANES:
