@@ -40,7 +40,8 @@ def test_every_interval_conserves_metered_energy_and_never_charges_idle() -> Non
     ledger = EnergyLedger(prefill_weight=0.3)
     for step in range(500):
         if rng.random() < 0.4:
-            ledger.begin(("normal", "t", "m"), observed=rng.random() < 0.7)
+            labels = (rng.choice(["normal", "high"]), "t", "m")
+            ledger.begin(labels, observed=rng.random() < 0.7)
         for rec in ledger.live:
             rec.add(prefill_tokens=rng.choice([0, 0, 0, 300]), decode_tokens=rng.randint(0, 6))
             if rng.random() < 0.1:
@@ -48,8 +49,13 @@ def test_every_interval_conserves_metered_energy_and_never_charges_idle() -> Non
         dt_s = rng.uniform(0.0, 0.4)
         delta_j = rng.uniform(0.0, 400.0) * dt_s
         idle_w = rng.uniform(0.0, 600.0)
+        live = ledger.live
         split = ledger.settle(delta_j, dt_s, idle_w)
         assert split.idle_j + split.attributed_j == pytest.approx(delta_j, rel=1e-12, abs=1e-12)
+        by_labels: dict[tuple[str, str, str], float] = defaultdict(float)
+        for rec, j in zip(live, split.charges_j, strict=True):
+            by_labels[rec.labels] += j
+        assert split.by_labels_j == by_labels  # what the counters are charged, summed once
         assert split.idle_j == pytest.approx(
             min(delta_j, idle_w * dt_s) if split.charges_j and any(split.charges_j) else delta_j,
             abs=1e-12,
