@@ -25,6 +25,12 @@ results/overhead/overhead.json).
     python benchmarks/proxy_overhead.py --quick         # a few seconds: does it work
     python benchmarks/proxy_overhead.py --profile results/overhead/proxy.prof   # cProfile it
     python benchmarks/proxy_overhead.py --rate 1000 --skip wrk,sse,memory       # idle + latency
+    python benchmarks/proxy_overhead.py --baseline /tmp/old   # a second proxy, the code of
+                                                              # another checkout, beside this one
+
+With --baseline, a proxy run from that checkout's code (its powerbatch and its
+serve_full_window.py) takes its turn beside this one in the latency and wrk parts, so a change
+is measured before and after in one run, each against the same bare hop.
 """
 
 from __future__ import annotations
@@ -79,10 +85,16 @@ def cpu_s(p: psutil.Process) -> float:
 
 
 def proxy_argv(
-    upstream: str, port: int, extra: list[str], profile: Path | None, full_window: bool = True
+    upstream: str,
+    port: int,
+    extra: list[str],
+    profile: Path | None,
+    full_window: bool = True,
+    tree: Path = REPO,
 ) -> list[str]:
     prof = ["-m", "cProfile", "-o", str(profile)] if profile else []
-    run = [str(HERE / "serve_full_window.py")] if full_window else ["-m", "powerbatch"]
+    full = tree / "benchmarks" / "serve_full_window.py"
+    run = [str(full)] if full_window else ["-m", "powerbatch"]
     return [
         sys.executable,
         *prof,
@@ -284,42 +296,38 @@ _ADDED = ("mean_ms", "p50_ms", "p90_ms", "p99_ms")
 async def phase_latency(
     session: aiohttp.ClientSession,
     direct: str,
-    bare: str,
-    proxy: str,
-    bare_ps: psutil.Process,
-    proxy_ps: psutil.Process,
+    hops: dict[str, tuple[str, psutil.Process]],
     rate: float,
     duration_s: float,
     stream: bool,
     tokens: int,
 ) -> dict[str, Any]:
-    """Direct, bare-hop and proxied requests take turns at `rate` each: the added latency,
-    side by side."""
-    b0, t0 = bare_ps.cpu_times(), proxy_ps.cpu_times()
-    (rd, rb, rp), elapsed = await open_loop(
-        session, [direct, bare, proxy], 3 * rate, duration_s, body(stream, tokens), stream
+    """Direct requests and those through each hop (the bare one, the proxy, a --baseline
+    proxy) take turns at `rate` each: the added latency, side by side."""
+    t0 = {name: ps.cpu_times() for name, (_, ps) in hops.items()}
+    urls = [direct, *(url for url, _ in hops.values())]
+    (rd, *rs), elapsed = await open_loop(
+        session, urls, len(urls) * rate, duration_s, body(stream, tokens), stream
     )
-    b1, t1 = bare_ps.cpu_times(), proxy_ps.cpu_times()
-    user, system = t1.user - t0.user, t1.system - t0.system
-    cpu = user + system
-    d, b, p = lat_stats(rd), lat_stats(rb), lat_stats(rp)
-    return {
+    d = lat_stats(rd)
+    out: dict[str, Any] = {
         "rate_rps_each": rate,
         "answer": f"sse x{tokens}" if stream else "json",
         "direct": d,
-        "bare": b,
-        "proxy": p,
-        "added_ms": {k: p[k] - d[k] for k in _ADDED},
-        "bare_added_ms": {k: b[k] - d[k] for k in _ADDED},
-        "proxy_cpu_ms_per_request": 1000 * cpu / max(1, len(rp)),
-        # The kernel's share: on loopback every send also runs the receiver's TCP path.
-        "proxy_cpu_system_ms_per_request": 1000 * system / max(1, len(rp)),
-        "bare_cpu_ms_per_request": 1000
-        * (b1.user - b0.user + b1.system - b0.system)
-        / max(1, len(rb)),
-        "client_lag_p99_ms": 1000 * pct([r.lag_s for r in rd + rb + rp], 99),
-        "elapsed_s": elapsed,
     }
+    for (name, (_, ps)), results in zip(hops.items(), rs, strict=True):
+        t1, n = ps.cpu_times(), max(1, len(results))
+        user, system = t1.user - t0[name].user, t1.system - t0[name].system
+        h = out[name] = lat_stats(results)
+        out["added_ms" if name == "proxy" else f"{name}_added_ms"] = {
+            k: h[k] - d[k] for k in _ADDED
+        }
+        out[f"{name}_cpu_ms_per_request"] = 1000 * (user + system) / n
+        # The kernel's share: on loopback every send also runs the receiver's TCP path.
+        out[f"{name}_cpu_system_ms_per_request"] = 1000 * system / n
+    out["client_lag_p99_ms"] = 1000 * pct([r.lag_s for rs_ in (rd, *rs) for r in rs_], 99)
+    out["elapsed_s"] = elapsed
+    return out
 
 
 async def sse_relay(
@@ -451,6 +459,7 @@ class Config:
     wrk_rounds: int = 2
     full_window: bool = True
     skip: tuple[str, ...] = ()
+    baseline: str | None = None  # another checkout whose proxy runs beside this one
 
     @classmethod
     def quick(cls) -> Config:
@@ -484,6 +493,14 @@ async def run(cfg: Config, log_dir: Path, profile: Path | None) -> dict[str, Any
     bare = child("bare-hop", [*bare_argv, "--port", str(bare_port)], log_dir)
     argv = proxy_argv(upstream, px_port, OPEN_ARGS, profile, cfg.full_window)
     proxy = child("proxy", argv, log_dir)
+    baseline: Child | None = None
+    if cfg.baseline:
+        tree = Path(cfg.baseline)  # made absolute in main
+        base_port = free_port()
+        base_url = f"http://127.0.0.1:{base_port}"
+        base_argv = proxy_argv(upstream, base_port, OPEN_ARGS, None, cfg.full_window, tree)
+        env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{tree / 'plugins' / 'vllm'}"}
+        baseline = Child("baseline", base_argv, log_dir, command=(), env=env, cwd=tree)
     log("starting the fake upstream, the bare hop and the proxy")
     await up.start(upstream + "/health")
     out: dict[str, Any] = {"config": asdict(cfg)}
@@ -492,26 +509,32 @@ async def run(cfg: Config, log_dir: Path, profile: Path | None) -> dict[str, Any
         await proxy.start(proxy_url + "/ready")
         path = "/v1/chat/completions"
         direct_c, bare_c, proxy_c = upstream + path, bare_url + path, proxy_url + path
+        hops = {"bare": (bare_c, bare), "proxy": (proxy_c, proxy)}
+        if baseline is not None:
+            await baseline.start(base_url + "/ready")
+            hops["baseline"] = (base_url + path, baseline)
         connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=30)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             warm = cfg.warmup_requests
-            urls = [direct_c, bare_c, proxy_c]
+            urls = [direct_c, *(url for url, _ in hops.values())]
             await open_loop(session, urls, 300, warm / 200, body(False, 16), False)
             await open_loop(session, urls, 300, warm / 400, body(True, 16), True)
             out["proxy_limit"] = await wait_for_limit(session, proxy_url, 32, cfg.limit_wait_s)
+            if baseline is not None:
+                out["baseline_limit"] = await wait_for_limit(
+                    session, base_url, 32, cfg.limit_wait_s
+                )
             log(f"idle CPU, {cfg.idle_s:.0f} s without traffic")
-            out["idle"] = await phase_idle({"proxy": ps_of(proxy), "bare": ps_of(bare)}, cfg.idle_s)
+            idle = {name: ps_of(c) for name, (_, c) in hops.items()}
+            out["idle"] = await phase_idle(idle, cfg.idle_s)
             lat: dict[str, Any] = {}
             for name, stream in (("json", False), ("sse", True)):
                 log(f"latency, {name} answers, {cfg.rate:.0f} rps to each side")
                 lat[name] = await phase_latency(
                     session,
                     direct_c,
-                    bare_c,
-                    proxy_c,
-                    ps_of(bare),
-                    ps_of(proxy),
+                    {name: (url, ps_of(c)) for name, (url, c) in hops.items()},
                     cfg.rate,
                     cfg.duration_s,
                     stream,
@@ -519,7 +542,7 @@ async def run(cfg: Config, log_dir: Path, profile: Path | None) -> dict[str, Any
                 )
             out["latency"] = lat
             out["proxy_limit_after_latency"] = await wait_for_limit(session, proxy_url, 0, 0)
-            sides = {"direct": (direct_c, up), "bare": (bare_c, bare), "proxy": (proxy_c, proxy)}
+            sides = {"direct": (direct_c, up), **hops}
             if "wrk" not in cfg.skip and (w := await phase_wrk(sides, cfg, log_dir)):
                 out["wrk"] = w
             if "sse" not in cfg.skip:
@@ -527,6 +550,8 @@ async def run(cfg: Config, log_dir: Path, profile: Path | None) -> dict[str, Any
         out["proxy_rss_after_load_mb"] = ps_of(proxy).memory_info().rss / 2**20
     finally:
         log("stopping the proxy and the bare hop")
+        if baseline is not None:
+            await baseline.stop()
         await proxy.stop()
         await bare.stop()
         try:
@@ -578,7 +603,8 @@ async def phase_wrk(
             )
     for side in out.values():
         side["best_rps"] = max(r["rps"] for r in side["rounds"])
-    out["proxy_vs_bare"] = out["proxy"]["best_rps"] / out["bare"]["best_rps"]
+    for name in sides.keys() - {"direct", "bare"}:
+        out[f"{name}_vs_bare"] = out[name]["best_rps"] / out["bare"]["best_rps"]
     return out
 
 
@@ -647,16 +673,23 @@ def render(r: dict[str, Any]) -> str:
         for k in ("p50_ms", "p90_ms", "p99_ms"):
             row(f"{head} {k}", f(d[k], 3), f(p[k], 3), f(a[k], 3))
             row(f"  bare hop {k}", f(d[k], 3), f(b[k], 3), f(ab[k], 3))
+        if bl := lat.get("baseline"):
+            for k in ("p50_ms", "p99_ms"):
+                row(f"  baseline {k}", f(d[k], 3), f(bl[k], 3), f(lat["baseline_added_ms"][k], 3))
         row(f"{head} errors (bare {b['errors']})", f(d["errors"]), f(p["errors"]))
         row(f"proxy CPU per request ({name}), ms", "", f(lat["proxy_cpu_ms_per_request"], 3))
         row("  of which in the kernel, ms", "", f(lat["proxy_cpu_system_ms_per_request"], 3))
+        if "baseline" in lat:
+            row("  baseline CPU per request, ms", "", f(lat["baseline_cpu_ms_per_request"], 3))
         row(f"bare hop CPU per request ({name}), ms", "", f(lat["bare_cpu_ms_per_request"], 3))
     if w := r.get("wrk"):
         head = f"most req/s, {r['config']['wrk_connections']} connections (wrk)"
         best = {k: w[k]["best_rps"] for k in ("direct", "bare", "proxy")}
         row(head, f(best["direct"], 0), f(best["proxy"], 0), f(w["proxy_vs_bare"]))
         row("  bare hop (ratio: proxy / bare hop)", f(best["direct"], 0), f(best["bare"], 0))
-        for side in ("bare", "proxy"):
+        if "baseline" in w:
+            row("  baseline", "", f(w["baseline"]["best_rps"], 0), f(w["baseline_vs_bare"]))
+        for side in ("bare", "proxy", "baseline") if "baseline" in w else ("bare", "proxy"):
             cpu = max(w[side]["rounds"], key=lambda x: x["rps"])["cpu_ms_per_request"]
             row(f"  {side} CPU per request under wrk, ms", "", f(cpu, 3))
     if s := r.get("sse_relay"):
@@ -705,6 +738,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="start the proxy with an empty model window (default: full, see serve_full_window)",
     )
     p.add_argument("--skip", default="", help="parts to leave out: wrk,sse,memory")
+    p.add_argument(
+        "--baseline",
+        help="another checkout (a directory) whose proxy runs beside this one: before vs after",
+    )
     a = p.parse_args(argv)
     cfg = Config.quick() if a.quick else Config()
     skip = tuple(x for x in a.skip.split(",") if x)
@@ -717,6 +754,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "idle_s": a.idle,
         "full_window": False if a.fresh_model else None,
         "skip": skip or None,
+        "baseline": str(Path(a.baseline).resolve()) if a.baseline else None,
     }
     cfg = Config(**{**asdict(cfg), **{k: v for k, v in over.items() if v is not None}})
     # 10k queued requests are 10k sockets on each side of the proxy.

@@ -319,3 +319,24 @@ def test_the_top_class_may_take_the_reserve_beyond_the_batch_limit() -> None:
         assert q.in_flight == 0
 
     run(main())
+
+
+def test_a_free_slot_is_granted_without_waiting_and_a_busy_queue_says_so() -> None:
+    """`try_admit`: the uncontended path (no coroutine, no loop turn); None sends the caller
+    to `admit`, which keeps the order: nobody overtakes a waiter."""
+
+    async def main() -> None:
+        q = AdmissionQueue(AdmissionLimits(1, 10**9))
+        first = q.try_admit("normal", 1, 1)
+        assert isinstance(first, Slot) and q.in_flight == 1
+        assert q.try_admit("high", 1, 1) is None  # full: the caller waits in admit
+        waiter = asyncio.create_task(q.admit("normal", 1, 1))
+        await asyncio.sleep(0)
+        first.release()  # the waiter is granted, before anyone who comes now
+        assert q.try_admit("high", 1, 1) is None
+        second = await waiter
+        second.release()
+        q.drain()
+        assert q.try_admit("normal", 1, 1) is None and q.in_flight == 0
+
+    run(main())

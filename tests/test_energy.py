@@ -4,6 +4,7 @@ simulator's energy counter, read by the official openai client."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 from collections import defaultdict
@@ -18,9 +19,15 @@ from test_proxy import options
 
 from powerbatch.cli.serve import build
 from powerbatch.energy import EnergyLedger, EnergyMeter, split_energy
-from powerbatch.energy.attribution import learned_prefill_weight, work_units
+from powerbatch.energy.attribution import learned_prefill_weight
 from powerbatch.energy.labels import OTHER, Bounded
-from powerbatch.energy.usage import events_with_energy, split_events, usage_event_at
+from powerbatch.energy.usage import (
+    events_with_energy,
+    json_usage,
+    split_events,
+    usage_event_at,
+    with_energy,
+)
 from powerbatch.proxy.auth import ApiKeys, split_name
 from powerbatch.sim import SimEngine
 from powerbatch.sim.server import start_sim_server
@@ -33,7 +40,8 @@ def test_every_interval_conserves_metered_energy_and_never_charges_idle() -> Non
     ledger = EnergyLedger(prefill_weight=0.3)
     for step in range(500):
         if rng.random() < 0.4:
-            ledger.begin(("normal", "t", "m"), observed=rng.random() < 0.7)
+            labels = (rng.choice(["normal", "high"]), "t", "m")
+            ledger.begin(labels, observed=rng.random() < 0.7)
         for rec in ledger.live:
             rec.add(prefill_tokens=rng.choice([0, 0, 0, 300]), decode_tokens=rng.randint(0, 6))
             if rng.random() < 0.1:
@@ -44,11 +52,69 @@ def test_every_interval_conserves_metered_energy_and_never_charges_idle() -> Non
         split = ledger.settle(delta_j, dt_s, idle_w)
         assert split.idle_j + split.attributed_j == pytest.approx(delta_j, rel=1e-12, abs=1e-12)
         assert split.idle_j == pytest.approx(
-            min(delta_j, idle_w * dt_s) if split.charges_j and any(split.charges_j) else delta_j,
-            abs=1e-12,
+            min(delta_j, idle_w * dt_s) if split.attributed_j > 0 else delta_j, abs=1e-12
         ), step
-        assert all(j >= 0 for j in split.charges_j)
+        assert all(j >= 0 for j in split.by_labels_j.values())
     assert ledger.idle_j + sum(ledger.totals_j.values()) == pytest.approx(ledger.metered_j)
+
+
+class _EveryRequestLedger:
+    """The rule as the module's docstring states it, visiting every request in flight at every
+    settle (the ledger's code before it kept the estimated share as one running sum)."""
+
+    def __init__(self, prefill_weight: float) -> None:
+        self.w = prefill_weight
+        self.live: list[list[Any]] = []  # [observed, prefill, decode, energy_j, finished]
+
+    def begin(self, observed: bool, prefill: float) -> list[Any]:
+        rec = [observed, prefill, 0.0, 0.0, False]
+        self.live.append(rec)
+        return rec
+
+    def settle(self, delta_j: float, dt_s: float, idle_w: float) -> None:
+        seen = [r[2] for r in self.live if r[0] and r[2] > 0]
+        estimate = sum(seen) / len(seen) if seen else 1.0
+        units = [self.w * r[1] + (r[2] if r[0] else estimate) for r in self.live]
+        _, charges = split_energy(delta_j, dt_s, idle_w, units)
+        for r, j in zip(self.live, charges, strict=True):
+            r[3] += j
+            r[1] = r[2] = 0.0
+        self.live = [r for r in self.live if not r[4]]
+
+
+def test_the_ledger_charges_each_request_what_the_rule_says() -> None:
+    """Seen and estimated requests, prefill, ends mid-interval, settles with nothing to do:
+    every request's joules are those of the rule applied to every request at every settle."""
+    rng = random.Random(11)
+    ledger, rule = EnergyLedger(prefill_weight=0.25), _EveryRequestLedger(0.25)
+    pairs: list[tuple[Any, list[Any]]] = []
+    for _ in range(3_000):
+        if rng.random() < 0.5:
+            observed, prefill = rng.random() < 0.3, rng.choice([0.0, 0.0, 40.0, 2_000.0])
+            labels = (rng.choice(["high", "normal"]), "t", "m")
+            rec = ledger.begin(labels, observed=observed, prefill_tokens=prefill)
+            pairs.append((rec, rule.begin(observed, prefill)))
+        for rec, ref in pairs:
+            if ref[4]:
+                continue
+            if ref[0] and rng.random() < 0.5:
+                n = rng.randint(0, 4)
+                rec.add(decode_tokens=n)
+                ref[2] += n
+            if rng.random() < 0.08:
+                rec.finished = ref[4] = True
+        dt_s = rng.uniform(0.0, 0.05)
+        delta_j, idle_w = rng.uniform(0.0, 700.0) * dt_s, rng.choice([0.0, 100.0, 300.0])
+        ledger.settle(delta_j, dt_s, idle_w)
+        rule.settle(delta_j, dt_s, idle_w)
+        assert ledger.in_flight == len(rule.live)
+    assert len(pairs) > 1_000
+    for rec, ref in pairs:
+        assert rec.energy_j == pytest.approx(ref[3], rel=1e-9, abs=1e-9)
+    by_labels: dict[Any, float] = defaultdict(float)
+    for rec, ref in pairs:
+        by_labels[rec.labels] += ref[3]
+    assert ledger.totals_j == pytest.approx(dict(by_labels), rel=1e-9)
 
 
 def test_the_split_follows_work_weighted_by_phase() -> None:
@@ -72,13 +138,14 @@ def test_unseen_decoding_is_estimated_from_the_requests_seen() -> None:
     whole = ledger.begin(("normal", "t", "m"), observed=False)
     seen[0].add(decode_tokens=4)
     seen[1].add(decode_tokens=8)
-    assert work_units(ledger.live, 0.25) == [4.0, 8.0, 6.0]
+    ledger.settle(18.0, 0.1, 0.0)  # 4 + 8 units seen, 6 estimated for the whole answer
+    assert [r.energy_j for r in (*seen, whole)] == pytest.approx([4.0, 8.0, 6.0])
     # With nothing seen, each running request counts one token: an even split.
     alone = EnergyLedger()
     recs = [alone.begin(("n", "t", "m"), observed=False) for _ in range(4)]
     alone.settle(50.0, 0.1, 0.0)
     assert [r.energy_j for r in recs] == pytest.approx([12.5] * 4)
-    assert whole.energy_j == 0.0
+    assert whole.energy_j == pytest.approx(6.0)  # another ledger's settle charges it nothing
 
 
 def test_learned_weight_rejects_noise() -> None:
@@ -299,3 +366,43 @@ def test_bench_reports_attributed_joules_per_token_by_class() -> None:
     assert out["j_per_token_by_class"] == {"high": 0.5, "normal": None, "low": 0.2}
     assert out["attributed_j"] == 24.0 and out["attributed_share"] == pytest.approx(0.8)
     assert energy_by_class([r("high", 10, None)], 30.0)["attributed_j"] is None
+
+
+def _energy_added(body: bytes, energy_j: float) -> bytes:
+    doc, usage = json_usage(body)
+    assert usage is not None
+    return with_energy(body, doc, usage, energy_j)
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"id": "a", "choices": [{"text": "x"}], "usage": {"prompt_tokens": 3}},
+        {"usage": {}, "model": "m"},
+        # a "usage" key below the top one, after it and before it, and text that looks like one
+        {"usage": {"prompt_tokens": 1}, "choices": [{"usage": {"x": 1}}]},
+        {"choices": [{"usage": {"x": 1}}], "usage": {"completion_tokens": 2}},
+        {"choices": [{"text": '"usage": {"a": [}'}], "usage": {"prompt_tokens": 4}, "z": "}"},
+        {"usage": {"prompt_tokens": 1}, "tail": ', "usage": {"prompt_tokens": 9}}'},
+        {"usage": {"prompt_tokens": 1, "energy_j": 7.0}},  # the upstream's own: replaced
+        {"usage": {"prompt_tokens": 2}, 'say "usage': {"a": 1}},
+    ],
+)
+@pytest.mark.parametrize("indent", [None, 2])
+def test_energy_goes_into_the_top_usage_object_whatever_the_bytes(
+    doc: dict[str, Any], indent: int | None
+) -> None:
+    body = json.dumps(doc, indent=indent).encode()
+    out = json.loads(_energy_added(body, 1.23456789))
+    want = json.loads(body)
+    want["usage"]["energy_j"] = 1.234568
+    assert out == want
+
+
+def test_an_answer_keeps_its_bytes_but_for_the_energy_field() -> None:
+    """The proxy relays the upstream's answer: only `"energy_j":x,` is added, nothing re-encoded."""
+    body = json.dumps(
+        {"id": "c", "choices": [{"message": {"content": "é \u2028 <"}}], "usage": {"a": 1}}
+    ).encode()
+    out = _energy_added(body, 2.5)
+    assert out == body.replace(b'"usage": {', b'"usage": {"energy_j":2.5,')

@@ -147,6 +147,18 @@ class AdmissionQueue:
             self.deferrable = mode
             self._dispatch()
 
+    def try_admit(
+        self, priority: str, kv_tokens: int, prefill_tokens: int, requests: int = 1
+    ) -> Slot | None:
+        """A slot now if one is free and nobody waits, else None (then `admit` to wait):
+        the uncontended path, without a coroutine."""
+        if self.draining or self.queued:
+            return None
+        now = self._clock()
+        if self._fits(priority, kv_tokens, prefill_tokens, now, requests):
+            return self._grant(priority, kv_tokens, prefill_tokens, now, requests=requests)
+        return None
+
     async def admit(
         self,
         priority: str,
@@ -164,9 +176,10 @@ class AdmissionQueue:
         """
         if self.draining:
             raise self._reject(priority, 503, "draining", "server is shutting down")
+        slot = self.try_admit(priority, kv_tokens, prefill_tokens, requests)
+        if slot is not None:
+            return slot
         now = self._clock()
-        if self.queued == 0 and self._fits(priority, kv_tokens, prefill_tokens, now, requests):
-            return self._grant(priority, kv_tokens, prefill_tokens, now, requests=requests)
         if self.queued >= self.max_queue_len and not self._shed_below(priority):
             raise self._reject(
                 priority, 429, "queue_full", "admission queue is full", self.retry_after_s(priority)
@@ -306,7 +319,8 @@ class AdmissionQueue:
         if self.in_flight == 0 and self._idle is not None:
             self._idle.set()
             self._idle = None
-        self._dispatch()
+        if self.queued:  # nobody waiting: nothing to grant (records of the gone wait too)
+            self._dispatch()
 
     def _head(self) -> _Waiter | None:
         for lane in LANES:

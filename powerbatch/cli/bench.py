@@ -17,7 +17,7 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +109,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=main)
 
 
+async def run_traces(stack: Stack, t0: float) -> tuple[Any, Any]:
+    """(the simulator's trace, the proxy's control history or None) of a run begun at `t0`."""
+    async with aiohttp.ClientSession() as session:
+        trace = await fetch_json(session, f"{stack.sim_url}/sim/trace?since_s={t0 - 1}")
+        if not stack.proxy:
+            return trace, None
+        history = await fetch_json(session, f"{stack.proxy_url}/status/history?since_s={t0 - 10}")
+        return trace, history
+
+
 async def fetch_json(session: aiohttp.ClientSession, url: str) -> Any:
     async with session.get(url) as resp:
         resp.raise_for_status()
@@ -188,13 +198,7 @@ async def run_arm(
         if watcher:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
-        async with aiohttp.ClientSession() as session:
-            trace = await fetch_json(session, f"{stack.sim_url}/sim/trace?since_s={t0 - 1}")
-            history = None
-            if stack.proxy:
-                history = await fetch_json(
-                    session, f"{stack.proxy_url}/status/history?since_s={t0 - 10}"
-                )
+        trace, history = await run_traces(stack, t0)
     return RunData(arm, a.ceiling_w, profile, t0, a.duration_s, results, trace, history)
 
 
@@ -356,21 +360,22 @@ async def _bench(a: argparse.Namespace) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     per_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     first_runs: list[RunData] = []
-    static_batch = 32
+
+    async def setting(value: str, search: Callable[..., Awaitable[int]], searching: str) -> int:
+        """An arm's fixed setting: as given, or searched for ('auto')."""
+        if value != "auto":
+            return int(value)
+        console.print(f"{searching}…")
+        return await search(a, profile, console)
+
+    static_batch, static_clock = 32, SWEEP_MHZ[0]
     if "static" in arms:
-        if a.static_batch == "auto":
-            console.print("searching the best static batch limit that holds the ceiling…")
-            static_batch = await search_static_batch(a, profile, console)
-        else:
-            static_batch = int(a.static_batch)
+        searching = "searching the best static batch limit that holds the ceiling"
+        static_batch = await setting(a.static_batch, search_static_batch, searching)
         console.print(f"static arm: max-num-seqs {static_batch}")
-    static_clock = SWEEP_MHZ[0]
     if "hwcap-lock" in arms:
-        if a.static_clock_mhz == "auto":
-            console.print("sweeping the best static locked clock under the cap…")
-            static_clock = await search_static_clock(a, profile, console)
-        else:
-            static_clock = int(a.static_clock_mhz)
+        searching = "sweeping the best static locked clock under the cap"
+        static_clock = await setting(a.static_clock_mhz, search_static_clock, searching)
         console.print(f"hwcap-lock arm: SM clock locked to {CLOCK_RANGE_MHZ[0]}-{static_clock} MHz")
     total = len(arms) * a.repeats
     done = 0

@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import numpy as np
 
-from powerbatch.cli.bench import fetch_json, serve_args
+from powerbatch.cli.bench import run_traces, serve_args
 from powerbatch.cli.extras import require_cli_extra
 from powerbatch.cli.process import Child
 from powerbatch.cli.report import RunData, plot_runs, summarize
@@ -185,13 +184,7 @@ async def run_arm(arm: str, sc: Scenario, a: argparse.Namespace, log_dir: Path) 
     ) as stack:
         t0 = time.monotonic()
         results = await run_load(stack.entry_url, plan, drain_timeout_s=a.drain_timeout_s)
-        async with aiohttp.ClientSession() as session:
-            trace = await fetch_json(session, f"{stack.sim_url}/sim/trace?since_s={t0 - 1}")
-            history = None
-            if stack.proxy:
-                history = await fetch_json(
-                    session, f"{stack.proxy_url}/status/history?since_s={t0 - 10}"
-                )
+        trace, history = await run_traces(stack, t0)
     run = RunData(
         arm, sc.plant.ceiling_w, sc.load.profile, t0, a.duration_s, results, trace, history
     )

@@ -94,12 +94,8 @@ class EnergyAccounting:
             power_w = reading.raw_w
         age_s = reading.age_s if math.isfinite(reading.age_s) else 0.0
         delta_j, dt_s = self.meter.advance(t_s, power_w, reading.energy_j, age_s)
-        live = self.ledger.live
         split = self.ledger.settle(delta_j, dt_s, self.idle_w)
-        by_labels: dict[Labels, float] = defaultdict(float)
-        for rec, j in zip(live, split.charges_j, strict=True):
-            by_labels[rec.labels] += j
-        self.metrics.charge(by_labels, split.idle_j)
+        self.metrics.charge(split.by_labels_j, split.idle_j)
         return split
 
     def observe(self, obs: Observation, decision: Decision) -> None:

@@ -43,38 +43,78 @@ per generated token. 0.027 / 0.11 is about 0.25.
 _WEIGHT_RANGE = (0.01, 10.0)
 
 
-@dataclass(slots=True, eq=False)
 class RequestEnergy:
     """One request's account: work in the open interval, and joules charged so far.
 
     The host adds work as it sees it (`add`), marks the request `finished`, and reads
-    `energy_j` after the interval that includes its end has been settled.
+    `energy_j` after the interval that includes its end has been settled. Made by
+    `EnergyLedger.begin`, which it tells of its work and its end, so a settle visits only the
+    requests with work in the interval.
     """
 
-    labels: Labels
-    observed: bool = True  # False: its tokens are not seen as they come (estimated)
-    prefill_tokens: float = 0.0
-    decode_tokens: float = 0.0
-    energy_j: float = 0.0
-    finished: bool = False
+    __slots__ = (
+        "_charged_j",
+        "_done",
+        "_finished",
+        "_ledger",
+        "_pending",
+        "_share0_j",
+        "decode_tokens",
+        "labels",
+        "observed",
+        "prefill_tokens",
+    )
+
+    def __init__(self, ledger: EnergyLedger, labels: Labels, observed: bool = True) -> None:
+        self.labels = labels
+        self.observed = observed  # False: its tokens are not seen as they come (estimated)
+        self.prefill_tokens = 0.0
+        self.decode_tokens = 0.0
+        self._ledger = ledger
+        self._charged_j = 0.0  # all but the estimated decoding's share, below
+        self._share0_j = ledger.estimated_share_j  # that share's running sum at the start
+        self._pending = False  # has work in the open interval (in the ledger's list)
+        self._finished = False
+        self._done = False  # dropped from the ledger: the account is closed
 
     def add(self, prefill_tokens: float = 0.0, decode_tokens: float = 0.0) -> None:
         self.prefill_tokens += prefill_tokens
         self.decode_tokens += decode_tokens
+        if not self._pending and not self._done:
+            self._pending = True
+            self._ledger._worked.append(self)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    @finished.setter
+    def finished(self, value: bool) -> None:
+        """Once True it stays: charged in the next settle, then dropped."""
+        if value and not self._finished:
+            self._finished = True
+            self._ledger._finished.append(self)
+
+    @property
+    def energy_j(self) -> float:
+        """Joules charged so far, over the intervals settled."""
+        if self.observed or self._done:
+            return self._charged_j
+        return self._charged_j + self._ledger.estimated_share_j - self._share0_j
 
 
 @dataclass(frozen=True, slots=True)
 class IntervalSplit:
-    """One settled interval: metered = idle + the sum of the charges."""
+    """One settled interval: metered = idle + the charges, here summed by labels."""
 
     dt_s: float
     metered_j: float
     idle_j: float
-    charges_j: tuple[float, ...]  # one per request in flight, in the ledger's order
+    by_labels_j: dict[Labels, float]
 
     @property
     def attributed_j(self) -> float:
-        return math.fsum(self.charges_j)
+        return math.fsum(self.by_labels_j.values())
 
 
 def split_energy(
@@ -88,16 +128,6 @@ def split_energy(
         return delta_j, [0.0] * len(units)
     rest_j = delta_j - idle_j
     return idle_j, [rest_j * u / total for u in units]
-
-
-def work_units(requests: Sequence[RequestEnergy], prefill_weight: float) -> list[float]:
-    """Each request's work in the open interval, unseen decoding estimated (module docstring)."""
-    seen = [r.decode_tokens for r in requests if r.observed and r.decode_tokens > 0]
-    estimate = math.fsum(seen) / len(seen) if seen else 1.0
-    return [
-        prefill_weight * r.prefill_tokens + (r.decode_tokens if r.observed else estimate)
-        for r in requests
-    ]
 
 
 def learned_prefill_weight(
@@ -117,11 +147,21 @@ def learned_prefill_weight(
 
 
 class EnergyLedger:
-    """The requests in flight and the running totals, settled one interval at a time."""
+    """The requests in flight and the running totals, settled one interval at a time.
+
+    A settle costs the requests with work seen in the interval, not all in flight: each request
+    whose decoding is estimated is charged the same share an interval, kept as one running sum
+    (`estimated_share_j`) that its account reads from its start to its end. The proxy settles
+    at every request's end with all its other requests in flight, most of them unobserved.
+    """
 
     def __init__(self, prefill_weight: float = DEFAULT_PREFILL_WEIGHT) -> None:
         self.prefill_weight = prefill_weight
-        self._live: list[RequestEnergy] = []
+        self._live: dict[RequestEnergy, None] = {}  # in the order they began
+        self._worked: list[RequestEnergy] = []  # with work in the open interval
+        self._finished: list[RequestEnergy] = []  # to drop at the next settle
+        self._estimated: dict[Labels, int] = {}  # unobserved requests in flight, by labels
+        self.estimated_share_j = 0.0  # what one unobserved request in flight all along got
         self.totals_j: dict[Labels, float] = {}
         self.idle_j = 0.0
         self.metered_j = 0.0
@@ -129,8 +169,12 @@ class EnergyLedger:
     def begin(
         self, labels: Labels, *, observed: bool = True, prefill_tokens: float = 0.0
     ) -> RequestEnergy:
-        rec = RequestEnergy(labels, observed, prefill_tokens=prefill_tokens)
-        self._live.append(rec)
+        rec = RequestEnergy(self, labels, observed)
+        self._live[rec] = None
+        if not observed:
+            self._estimated[labels] = self._estimated.get(labels, 0) + 1
+        if prefill_tokens:
+            rec.add(prefill_tokens=prefill_tokens)
         return rec
 
     @property
@@ -139,24 +183,47 @@ class EnergyLedger:
 
     @property
     def live(self) -> tuple[RequestEnergy, ...]:
-        """The requests of the open interval, in the order `settle` charges them."""
+        """The requests of the open interval, in the order they began."""
         return tuple(self._live)
 
     def settle(self, delta_j: float, dt_s: float, idle_w: float) -> IntervalSplit:
         """Charge the interval that ends now; drop the requests that finished within it."""
-        live = self._live
-        units = work_units(live, self.prefill_weight)
-        idle_j, charges = split_energy(delta_j, dt_s, idle_w, units)
-        totals = self.totals_j
-        for rec, j in zip(live, charges, strict=True):
-            rec.energy_j += j
+        worked, self._worked = self._worked, []
+        w = self.prefill_weight
+        # Unseen decoding: the mean of the requests seen decoding, or one token (module doc).
+        seen = [r.decode_tokens for r in worked if r.observed and r.decode_tokens > 0]
+        estimate = math.fsum(seen) / len(seen) if seen else 1.0
+        estimated = sum(self._estimated.values())
+        units = [w * r.prefill_tokens + (r.decode_tokens if r.observed else 0.0) for r in worked]
+        idle_j, charges = split_energy(delta_j, dt_s, idle_w, [*units, estimated * estimate])
+        by_labels: dict[Labels, float] = {}
+        for rec, j in zip(worked, charges, strict=False):
+            rec._charged_j += j
             rec.prefill_tokens = rec.decode_tokens = 0.0
-            totals[rec.labels] = totals.get(rec.labels, 0.0) + j
+            rec._pending = False
+            by_labels[rec.labels] = by_labels.get(rec.labels, 0.0) + j
+        share_j = charges[-1] / estimated if estimated else 0.0
+        if share_j > 0:
+            self.estimated_share_j += share_j
+            for labels, n in self._estimated.items():
+                if n:
+                    by_labels[labels] = by_labels.get(labels, 0.0) + share_j * n
+        totals = self.totals_j
+        for labels, j in by_labels.items():
+            totals[labels] = totals.get(labels, 0.0) + j
         self.idle_j += idle_j
         self.metered_j += max(0.0, delta_j)
-        if any(r.finished for r in live):
-            self._live = [r for r in live if not r.finished]
-        return IntervalSplit(dt_s, max(0.0, delta_j), idle_j, tuple(charges))
+        finished, self._finished = self._finished, []
+        for rec in finished:
+            self._drop(rec)
+        return IntervalSplit(dt_s, max(0.0, delta_j), idle_j, by_labels)
+
+    def _drop(self, rec: RequestEnergy) -> None:
+        if not rec.observed:
+            rec._charged_j = rec.energy_j  # the estimated share up to now, closed
+            self._estimated[rec.labels] -= 1
+        rec._done = True
+        del self._live[rec]
 
 
 class EnergyMeter:

@@ -33,24 +33,40 @@ class EnergyMetrics:
             "powerbatch_idle_energy_joules",
             "Metered energy at idle power (or with nothing in flight): charged to no request",
         )
+        # Each label set's children, looked up once: labels() takes a lock and builds a key,
+        # and these are counted at every request's end. The label sets are bounded (labels.py).
+        self._energy_of: dict[Labels, Counter] = {}
+        self._tokens_of: dict[Labels, tuple[Counter, Counter]] = {}
+
+    def _energy(self, labels: Labels) -> Counter:
+        child = self._energy_of.get(labels)
+        if child is None:
+            child = self._energy_of[labels] = self.request_energy_j.labels(*labels)
+        return child
+
+    def _tokens(self, labels: Labels) -> tuple[Counter, Counter]:
+        pair = self._tokens_of.get(labels)
+        if pair is None:
+            prompt, completion = (self.request_tokens.labels(k, *labels) for k in TOKEN_KINDS)
+            pair = self._tokens_of[labels] = (prompt, completion)
+        return pair
 
     def seed(self, labels: Iterable[Labels]) -> None:
         """Create the series at zero, so rate() sees their first increase."""
-        for p, t, m in labels:
-            self.request_energy_j.labels(p, t, m)
-            for kind in TOKEN_KINDS:
-                self.request_tokens.labels(kind, p, t, m)
+        for one in labels:
+            self._energy(one)
+            self._tokens(one)
 
     def charge(self, by_labels_j: Mapping[Labels, float], idle_j: float) -> None:
-        for (p, t, m), j in by_labels_j.items():
+        for labels, j in by_labels_j.items():
             if j > 0:
-                self.request_energy_j.labels(p, t, m).inc(j)
+                self._energy(labels).inc(j)
         if idle_j > 0:
             self.idle_energy_j.inc(idle_j)
 
     def count_tokens(self, labels: Labels, prompt: int, completion: int) -> None:
-        p, t, m = labels
+        prompt_c, completion_c = self._tokens(labels)
         if prompt > 0:
-            self.request_tokens.labels("prompt", p, t, m).inc(prompt)
+            prompt_c.inc(prompt)
         if completion > 0:
-            self.request_tokens.labels("completion", p, t, m).inc(completion)
+            completion_c.inc(completion)

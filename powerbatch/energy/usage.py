@@ -7,6 +7,8 @@ The field is `energy_j` beside `prompt_tokens` and `completion_tokens`: clients 
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any
 
 FIELD = "energy_j"
@@ -28,10 +30,54 @@ def usage_int(usage: dict[str, Any] | None, key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def with_energy(doc: Any, usage: dict[str, Any], energy_j: float) -> bytes:
-    """`doc` as JSON again, with `usage.energy_j` set (usage: the object inside doc)."""
-    usage[FIELD] = round(energy_j, 6)
+def with_energy(raw: bytes, doc: Any, usage: dict[str, Any], energy_j: float) -> bytes:
+    """The answer `raw` (parsed: `doc`, its top-level usage object: `usage`) with
+    `usage.energy_j` set: spliced into the bytes where they show that object plainly, else
+    `doc` serialised again."""
+    value = round(energy_j, 6)
+    if FIELD not in usage and math.isfinite(value):
+        out = _spliced(raw, repr(value).encode())  # a finite float's JSON is its repr
+        if out is not None:
+            return out
+    usage[FIELD] = value
     return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+_USAGE_OPEN = re.compile(rb'"usage"\s*:\s*\{\s*')
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def _spliced(raw: bytes, value: bytes) -> bytes | None:
+    """`raw` with `"energy_j":value` first in its top-level usage object; None where that
+    object is not the last `"usage"` key in the bytes, so it cannot be told apart by the bytes.
+
+    A `"usage"` key after `{` or `,` is no text inside a string (a quote there would be
+    escaped). What follows the object's `{`, strings taken out (their brackets are text),
+    must close exactly two levels, the usage object and the answer: then it is the top one.
+    """
+    at = raw.rfind(b'"usage"')
+    m = _USAGE_OPEN.match(raw, at) if at >= 0 else None
+    if m is None:
+        return None
+    before = at - 1
+    while before >= 0 and raw[before] in b" \t\r\n":
+        before -= 1
+    if before < 0 or raw[before] not in b"{,":
+        return None
+    rest = raw[m.end() :].rstrip()
+    if not rest.endswith(b"}"):
+        return None
+    # Brackets inside strings would count: take the strings out where it matters (slower,
+    # rare in usage). Without an opening one in `rest`, one in a string could only add to 2.
+    plain = b"{" not in rest and b"[" not in rest and _closes(rest) == 2
+    if not plain and _closes(_STRING.sub(b"", rest)) != 2:
+        return None
+    sep = b"" if rest.startswith(b"}") else b","
+    return b"".join((raw[: m.end()], b'"' + FIELD.encode() + b'":', value, sep, raw[m.end() :]))
+
+
+def _closes(b: bytes) -> int:
+    return b.count(b"}") + b.count(b"]") - b.count(b"{") - b.count(b"[")
 
 
 def _event_json(event: bytes) -> tuple[Any, dict[str, Any] | None]:
@@ -68,7 +114,8 @@ def events_with_energy(buf: bytes, energy_j: float) -> tuple[bytes, int | None]:
         doc, usage = _event_json(event)
         if usage is not None:
             prompt = usage_int(usage, "prompt_tokens")
-            event = b"data: " + with_energy(doc, usage, energy_j) + b"\n\n"
+            data = event.strip()[6:]
+            event = b"data: " + with_energy(data, doc, usage, energy_j) + b"\n\n"
         out.append(event)
     return b"".join(out), prompt
 

@@ -355,7 +355,7 @@ class BodyRelay:
             if usage is not None and ("prompt_tokens" in usage or "completion_tokens" in usage):
                 # energy_j goes beside OpenAI's token counts only (an audio answer's usage is
                 # its duration, and stays as it came)
-                body = with_energy(doc, usage, energy_j)
+                body = with_energy(body, doc, usage, energy_j)
             if self.energy_header:
                 headers[HEADER] = f"{energy_j:.6f}"
             self.acc.access(call, prompt, tokens or 0, energy_j, now - call.t0)
@@ -513,8 +513,11 @@ class AdmittedRoute:
         except BadRequest as exc:
             series.outcomes["bad_request"].inc()
             return errors.error(400, str(exc), param=exc.param, code="invalid_request")
+        queue = self.gov.queue
         try:
-            slot = await self.gov.queue.admit(
+            slot = queue.try_admit(
+                priority, info.kv_tokens, info.prompt_tokens, info.requests
+            ) or await queue.admit(
                 priority, info.kv_tokens, info.prompt_tokens, info.requests, stream=info.stream
             )
         except Rejected as rej:

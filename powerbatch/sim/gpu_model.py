@@ -258,8 +258,7 @@ def decode_power_w(
     kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
 ) -> float:
     """Unclamped decode-step power; see `GpuProfile.kv_power_frac` for the KV term."""
-    x = math.log2(max(batch, 1))
-    s = 1.0 / (1.0 + math.exp(-profile.dec_k * (x - profile.dec_x0)))
+    s = logistic(batch, 0.0, 1.0, profile.dec_k, profile.dec_x0)  # the fit's shape, 0 to 1
     kv_frac = min(max(kv_tokens / kv_capacity_tokens, 0.0), 1.0) if kv_capacity_tokens > 0 else 0.0
     s += profile.kv_power_frac * kv_frac * (1.0 - s)
     return profile.dec_base_w + profile.dec_span_w * s
@@ -305,6 +304,13 @@ def _part_time_s(profile: GpuProfile, t_mem_s: float, t_sm_s: float, f_rel: floa
     return float((t_mem**p + t_sm**p) ** (1.0 / p))
 
 
+def _mem_time_s(profile: GpuProfile, t0_s: float, sm_share: float) -> float:
+    """The memory part of a step's time `t0_s` at the top clock, given the share the SMs
+    would need alone (the roofline split that `_part_time_s` adds back)."""
+    p = profile.roofline_p
+    return float(t0_s * max(1.0 - sm_share**p, 0.0) ** (1.0 / p))
+
+
 def clocked_part(
     profile: GpuProfile, t0_s: float, p0_w: float, sm_share: float, sm_clock_mhz: float
 ) -> tuple[float, float]:
@@ -317,10 +323,7 @@ def clocked_part(
     """
     f_rel = min(max(sm_clock_mhz / profile.sm_clock_max_mhz, 1e-3), 1.0)
     s = min(max(sm_share, 0.0), 1.0)
-    p = profile.roofline_p
-    t_sm0 = s * t0_s
-    t_mem0 = t0_s * max(1.0 - s**p, 0.0) ** (1.0 / p)
-    t_s = _part_time_s(profile, t_mem0, t_sm0, f_rel)
+    t_s = _part_time_s(profile, _mem_time_s(profile, t0_s, s), s * t0_s, f_rel)
     v2 = voltage_frac(profile, sm_clock_mhz) ** 2
     idle_w = min(profile.idle_w, p0_w)
     dyn_w = p0_w - idle_w
@@ -414,12 +417,15 @@ def step_at_clock(
     limit = profile.tdp_w if power_limit_w is None else power_limit_w
     top = float(profile.sm_clock_max_mhz)
     f = top if sm_clock_mhz is None else min(max(float(sm_clock_mhz), 1.0), top)
-    t_dec = decode_step_s(profile, batch)
-    t_pre = prefill_step_s(profile, prefill_tokens)
+    # Each part at the top clock, unthrottled: what the clock and the limit act on.
+    t0_dec = t_dec = decode_step_s(profile, batch)
+    t0_pre = t_pre = prefill_step_s(profile, prefill_tokens)
     if t_dec <= 0.0 and t_pre <= 0.0:
         return ClockedStep(0.0, profile.idle_w, float(profile.sm_clock_min_mhz))
-    p_dec = decode_power_w(profile, batch, kv_tokens, kv_capacity_tokens) if t_dec > 0 else 0.0
-    p_pre = prefill_power_w(profile)
+    p0_dec = p_dec = (
+        decode_power_w(profile, batch, kv_tokens, kv_capacity_tokens) if t_dec > 0 else 0.0
+    )
+    p0_pre = p_pre = prefill_power_w(profile)
     s_dec = decode_sm_share(profile, batch)
     if f < top:
         if t_dec > 0.0:
@@ -428,17 +434,10 @@ def step_at_clock(
             t_pre, p_pre = clocked_part(profile, t_pre, p_pre, 1.0, f)
     f_dec = f_pre = f / top
     if profile.cap_by_clock:
-        t0_dec, p0_dec = (
-            decode_step_s(profile, batch),
-            decode_power_w(profile, batch, kv_tokens, kv_capacity_tokens),
-        )
         if t_dec > 0.0 and p_dec > limit:
             f_dec, t_dec, p_dec = _driver_clock(profile, t0_dec, p0_dec, s_dec, f, limit)
-        t0_pre = prefill_step_s(profile, prefill_tokens)
         if t_pre > 0.0 and p_pre > limit:
-            f_pre, t_pre, p_pre = _driver_clock(
-                profile, t0_pre, prefill_power_w(profile), 1.0, f, limit
-            )
+            f_pre, t_pre, p_pre = _driver_clock(profile, t0_pre, p0_pre, 1.0, f, limit)
     else:
         if p_dec > limit:
             t_free = t_dec
@@ -447,11 +446,9 @@ def step_at_clock(
             else:
                 t_dec *= (p_dec / limit) ** profile.decode_cap_exponent
             p_dec = limit
-            p = profile.roofline_p
-            t0 = decode_step_s(profile, batch)
-            t_mem0 = t0 * max(1.0 - s_dec**p, 0.0) ** (1.0 / p)
             if t_dec > t_free:
-                f_dec = _clock_for_time(profile, t_mem0, s_dec * t0, f / top, t_dec)
+                t_mem0 = _mem_time_s(profile, t0_dec, s_dec)
+                f_dec = _clock_for_time(profile, t_mem0, s_dec * t0_dec, f / top, t_dec)
         if t_pre > 0.0 and p_pre > limit:
             f_pre *= limit / p_pre
             t_pre *= p_pre / limit

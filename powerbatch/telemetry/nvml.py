@@ -220,7 +220,43 @@ class NvmlPowerSource:
         self._devices.shutdown()
 
 
-class NvmlPowerLimiter:
+class _NvmlDevices:
+    """The GPUs a setter drives (power limits, SM clocks): NVML and a handle each, every call
+    made per GPU, and an NVML failure told in the setter's own error (`_error`)."""
+
+    def __init__(
+        self,
+        gpu_indices: Sequence[GpuId],
+        nvml: ModuleType | None,
+        failed: Callable[[str], Exception],
+        purpose: str,
+    ) -> None:
+        try:
+            self._nvml = _load(nvml)
+            self._devices = _NvmlHandles(self._nvml, gpu_indices)
+        except (SensorUnavailable, SensorReadError) as exc:
+            raise failed(f"cannot open GPUs for {purpose}: {exc}") from exc
+        self.gpu_indices = self._devices.indices
+        self._no_permission = _codes(self._nvml, ("NVML_ERROR_NO_PERMISSION",))
+
+    def _error(self, exc: Exception, index: GpuId, what: str) -> Exception:
+        raise NotImplementedError
+
+    def _per_gpu(self, what: str, call: Callable[[Any], _T]) -> list[_T]:
+        results: list[_T] = []
+        for index, handle in zip(self.gpu_indices, self._devices.handles, strict=True):
+            try:
+                results.append(call(handle))
+            except self._nvml.NVMLError as exc:
+                raise self._error(exc, index, what) from exc
+        return results
+
+    def close(self) -> None:
+        """Release NVML; the limits or clocks stay as they are."""
+        self._devices.shutdown()
+
+
+class NvmlPowerLimiter(_NvmlDevices):
     """Read and set the hardware power limit of a set of GPUs, one value per GPU (synchronous).
 
     The device calls only: splitting a total, clamping, what to restore and the crash-recovery
@@ -230,13 +266,7 @@ class NvmlPowerLimiter:
     def __init__(
         self, gpu_indices: Sequence[GpuId] = (0,), *, nvml: ModuleType | None = None
     ) -> None:
-        try:
-            self._nvml = _load(nvml)
-            self._devices = _NvmlHandles(self._nvml, gpu_indices)
-        except (SensorUnavailable, SensorReadError) as exc:
-            raise LimiterUnavailable(f"cannot open GPUs for power limiting: {exc}") from exc
-        self.gpu_indices = self._devices.indices
-        self._no_permission = _codes(self._nvml, ("NVML_ERROR_NO_PERMISSION",))
+        super().__init__(gpu_indices, nvml, LimiterUnavailable, "power limiting")
         self._unavailable = _codes(self._nvml, _UNAVAILABLE_CODES)
         self._constraints_w = self._per_gpu(
             "nvmlDeviceGetPowerManagementLimitConstraints", self._read_constraints_w
@@ -255,15 +285,6 @@ class NvmlPowerLimiter:
         if _error_code(exc) in self._unavailable:
             return LimiterUnavailable(f"GPU {index}: {what} failed: {exc}")
         return PowerLimitError(f"GPU {index}: {what} failed: {exc}")
-
-    def _per_gpu(self, what: str, call: Callable[[Any], _T]) -> list[_T]:
-        results: list[_T] = []
-        for index, handle in zip(self.gpu_indices, self._devices.handles, strict=True):
-            try:
-                results.append(call(handle))
-            except self._nvml.NVMLError as exc:
-                raise self._error(exc, index, what) from exc
-        return results
 
     def constraints_w(self) -> list[tuple[float, float]]:
         """Per GPU (min_w, max_w) the driver accepts."""
@@ -302,12 +323,8 @@ class NvmlPowerLimiter:
             except self._nvml.NVMLError as exc:
                 raise self._error(exc, index, f"set power limit to {limit_w:.1f} W") from exc
 
-    def close(self) -> None:
-        """Release NVML; the limits stay as they are."""
-        self._devices.shutdown()
 
-
-class NvmlClockLocker:
+class NvmlClockLocker(_NvmlDevices):
     """Read and lock the SM (graphics) clock of a set of GPUs (synchronous device calls only;
     the state file, snapping and safety rules are powerbatch.telemetry.clock's).
 
@@ -319,25 +336,13 @@ class NvmlClockLocker:
     def __init__(
         self, gpu_indices: Sequence[GpuId] = (0,), *, nvml: ModuleType | None = None
     ) -> None:
-        try:
-            self._nvml = _load(nvml)
-            self._devices = _NvmlHandles(self._nvml, gpu_indices)
-        except (SensorUnavailable, SensorReadError) as exc:
-            raise ClockError(f"cannot open GPUs for clock control: {exc}") from exc
-        self.gpu_indices = self._devices.indices
-        self._no_permission = _codes(self._nvml, ("NVML_ERROR_NO_PERMISSION",))
+        super().__init__(gpu_indices, nvml, ClockError, "clock control")
 
-    def _per_gpu(self, what: str, call: Callable[[Any], _T]) -> list[_T]:
-        results: list[_T] = []
-        for index, handle in zip(self.gpu_indices, self._devices.handles, strict=True):
-            try:
-                results.append(call(handle))
-            except self._nvml.NVMLError as exc:
-                hint = ""
-                if _error_code(exc) in self._no_permission:
-                    hint = " (locking clocks needs root or CAP_SYS_ADMIN, or use zeusd)"
-                raise ClockError(f"GPU {index}: {what} failed: {exc}{hint}") from exc
-        return results
+    def _error(self, exc: Exception, index: GpuId, what: str) -> ClockError:
+        hint = ""
+        if _error_code(exc) in self._no_permission:
+            hint = " (locking clocks needs root or CAP_SYS_ADMIN, or use zeusd)"
+        return ClockError(f"GPU {index}: {what} failed: {exc}{hint}")
 
     def supported_mhz(self) -> list[list[int]]:
         """Per GPU, the SM clocks it accepts at its memory clock now, ascending."""
@@ -374,10 +379,6 @@ class NvmlClockLocker:
         if errors:
             raise errors[0]
 
-    def close(self) -> None:
-        """Release NVML; the clocks stay as they are."""
-        self._devices.shutdown()
-
 
 def default_power_limit_w(
     gpu_indices: Sequence[GpuId] = (0,), *, nvml: ModuleType | None = None
@@ -399,16 +400,28 @@ def default_power_limit_w(
         limiter.close()
 
 
-def nvml_pci_bus_ids(uuids: Sequence[str], *, nvml: ModuleType | None = None) -> dict[str, str]:
-    """The PCI bus ID (nvmlDeviceGetPciInfo's busId) of each GPU UUID this process's NVML sees;
-    the others are left out, and an NVML that cannot start gives {}. Never raises."""
+def _probe(nvml: ModuleType | None, ask: Callable[[ModuleType], _T], failed: _T) -> _T:
+    """`ask(nvml)` between nvmlInit and nvmlShutdown; `failed` where anything fails."""
     try:
         module = _load(nvml)
         module.nvmlInit()
     except Exception:
-        return {}
-    found: dict[str, str] = {}
+        return failed
     try:
+        return ask(module)
+    except Exception:
+        return failed
+    finally:
+        with contextlib.suppress(Exception):
+            module.nvmlShutdown()
+
+
+def nvml_pci_bus_ids(uuids: Sequence[str], *, nvml: ModuleType | None = None) -> dict[str, str]:
+    """The PCI bus ID (nvmlDeviceGetPciInfo's busId) of each GPU UUID this process's NVML sees;
+    the others are left out, and an NVML that cannot start gives {}. Never raises."""
+
+    def ask(module: ModuleType) -> dict[str, str]:
+        found: dict[str, str] = {}
         for uuid in uuids:
             try:
                 bus_id = module.nvmlDeviceGetPciInfo(module.nvmlDeviceGetHandleByUUID(uuid)).busId
@@ -416,22 +429,10 @@ def nvml_pci_bus_ids(uuids: Sequence[str], *, nvml: ModuleType | None = None) ->
                 continue
             found[uuid] = bus_id.decode() if isinstance(bus_id, bytes) else str(bus_id)
         return found
-    finally:
-        with contextlib.suppress(Exception):
-            module.nvmlShutdown()
+
+    return _probe(nvml, ask, {})
 
 
 def nvml_available(nvml: ModuleType | None = None) -> bool:
     """True when NVML loads and sees at least one GPU; never raises."""
-    try:
-        module = _load(nvml)
-        module.nvmlInit()
-    except Exception:
-        return False
-    try:
-        return int(module.nvmlDeviceGetCount()) > 0
-    except Exception:
-        return False
-    finally:
-        with contextlib.suppress(Exception):
-            module.nvmlShutdown()
+    return _probe(nvml, lambda module: int(module.nvmlDeviceGetCount()) > 0, False)
