@@ -37,7 +37,7 @@ from powerbatch.control.config import ClockPolicy, ControlConfig
 from powerbatch.control.laws.clock import ClockInput, ClockLaw
 from powerbatch.sim import SimEngine
 from powerbatch.sim.gpu_model import GpuProfile
-from powerbatch.sim.plants import draw_plant
+from powerbatch.sim.plants import draw_plant, with_clock_physics
 
 
 class VirtualClock:
@@ -50,16 +50,7 @@ class VirtualClock:
 
 def draw(seed: int) -> tuple[GpuProfile, float, int]:
     plant = draw_plant(np.random.default_rng(1000 + seed))
-    r = np.random.default_rng(5000 + seed)
-    profile = replace(
-        plant.profile,
-        cap_by_clock=True,
-        voltage_knee_frac=float(r.uniform(0.4, 0.8)),
-        voltage_floor_frac=float(r.uniform(0.55, 0.95)),
-        clock_power_frac=float(r.uniform(0.0, 0.8)),
-        mem_issue_clock_frac=float(r.uniform(0.0, 0.9)),
-        roofline_p=float(r.uniform(1.0, 4.0)),
-    )
+    profile = with_clock_physics(plant.profile, np.random.default_rng(5000 + seed))
     return profile, plant.ceiling_w, plant.kv_capacity_tokens
 
 
