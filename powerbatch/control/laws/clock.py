@@ -34,8 +34,9 @@ once settled it rechecks one neighbour every `clock_explore_every_s`.
 Each tick, in order:
 * objective `throughput` (the default), no trustworthy reading, or no known clocks: unlocked;
 * a prefill burst, a growing queue, p95 TTFT near its SLO or p95 TPOT over `clock_tpot_margin`
-  of its SLO: the top clock, held `clock_hold_s`; an SLO at risk under a lock also bars that
-  level and every lower one for `SLO_MEMORY_S` (the law backs off, not only up and down again);
+  of its SLO: the top clock, held `clock_hold_s`; an SLO at risk under a lock, where the top
+  would have kept it (the level's measured slowdown taken out), also bars that level and every
+  lower one for `SLO_MEMORY_S` (the law backs off, not only up and down again);
 * otherwise the probe in progress, the next probe (while the SLOs have room), or the best level:
   the one minimising `w x J/token + (1 - w) x step time` (each over the top's, w = 1 for
   `energy`, `clock_energy_weight` for `weighted`) among those whose measured step time keeps
@@ -323,6 +324,20 @@ class ClockLaw:
             return max(self._barred_from - 1, 0)
         return len(self.levels) - 1
 
+    def _clock_to_blame(self, inp: ClockInput, i: int) -> bool:
+        """Whether the SLO near now would have had room at the top clock: p95 TPOT over level
+        i's measured step factor, p95 TTFT over its clock ratio (prefill is compute-bound, SM
+        time ~ 1/f), under the guard's thresholds. A spike the top clock would have had too
+        (a long prompt in the batch, a queue) bars nothing."""
+        cfg, pol = self.config, self.policy
+        step_f = self._monotone_factors()[i][1] if self.samples(i) >= MIN_SAMPLES else math.inf
+        tpot, ttft = inp.tpot_p95_s, inp.ttft_p95_s
+        if tpot is not None and tpot > pol.clock_tpot_margin * cfg.tpot_slo_s:
+            return tpot / step_f <= pol.clock_tpot_margin * cfg.tpot_slo_s
+        if ttft is not None:
+            return ttft * self.levels[i] / self.levels[0] <= 0.8 * cfg.ttft_slo_s
+        return True
+
     def _start_search(self, t_s: float | None) -> None:
         self._bracket = (0, max(len(self.levels) - 1, 0))
         self._probed = set()
@@ -383,7 +398,7 @@ class ClockLaw:
         if guard is not None:
             why, slo = guard
             in_force = self._level_of(inp.top_mhz)
-            if slo and in_force > 0:
+            if slo and in_force > 0 and self._clock_to_blame(inp, in_force):
                 # The lock in force brought an SLO near: bar it and every lower level a while.
                 barred = self._barred_from if t < self._barred_until_s else None
                 self._barred_from = in_force if barred is None else min(in_force, barred)
