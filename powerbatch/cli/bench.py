@@ -445,6 +445,7 @@ async def _bench(a: argparse.Namespace) -> int:
                 "title": title,
                 "args": {k: str(v) for k, v in vars(a).items() if k not in ("func", "plant")},
                 "plant": a.plant.to_json() if getattr(a, "plant", None) else None,
+                "static_clock_mhz": static_clock if "hwcap-lock" in arms else None,
                 "aggregate": results,
                 "runs": per_arm,
             },
