@@ -13,8 +13,10 @@ J/token the same way, from the GPU's energy counter over the tokens served).
 **What is measured.** Nothing is assumed of the plant but the sign of the clock's effect and
 that one minimum. The law learns online, by recursive least squares with forgetting, the log of
 the 1-second power and of the time per decode step (the batch over the decode token rate)
-against the log of the load (batch and prefill rate) and the clock: one indicator per candidate
-top (`clock_levels` of them down to `clock_floor_frac` of the highest). The load's coefficients
+against the log of the demand served (decode and prefill token rates) and the clock: below
+capacity the demand is the same at any clock, so a level's power against the top's at the
+same tokens/s is its J/token against the top's (`_load`). One indicator per candidate top
+(`clock_levels` of them down to `clock_floor_frac` of the highest). The load's coefficients
 are shared by every level, so a probe's readings give that level's two factors (power and step
 time against the top's at the same load), kept physical: a lower clock never draws more nor
 steps faster. It learns only where it acts (nothing queued, no prefill burst) and only readings
@@ -28,8 +30,8 @@ neighbours are left and each is probed. A probe is `clock_explore_s` of readings
 settle, so with a 1-s meter 2 s late the search takes about six probes of 5 s: it converges in
 about 30 s where walking one level per period took the whole run. It picks the best measured
 level, moving only for `clock_min_gain`. It searches again when the load's shape moves (the
-batch by half or double, or the prefill rate's share), forgetting most of what it learned, and
-once settled it rechecks one neighbour every `clock_explore_every_s`.
+decode rate by half or double, or the prefill rate's share), forgetting most of what it
+learned, and once settled it rechecks one neighbour every `clock_explore_every_s`.
 
 Each tick, in order:
 * objective `throughput` (the default), no trustworthy reading, or no known clocks: unlocked;
@@ -69,9 +71,9 @@ READING_WINDOW_S = 1.0
 """A power reading is a mean over this long (the loop's window; dcgm-exporter's 1-s collection)."""
 SLO_MEMORY_S = HALF_LIFE_S
 """A level under which an SLO came near stays barred this long."""
-SHIFT_BATCH = math.log(2.0)
-"""The load's shape has moved (search again) when the batch's slow average is over this, in log,
-from where the search settled..."""
+SHIFT_DEMAND = math.log(2.0)
+"""The load's shape has moved (search again) when the decode rate's slow average is over this,
+in log, from where the search settled..."""
 SHIFT_PREFILL = 0.5
 """...or log1p(prefill tok/s / 1000) is over this from it."""
 KEEP_ON_SHIFT = 0.2
@@ -473,7 +475,7 @@ class ClockLaw:
         if self._settled_x is None or self._x_avg is None:
             return False
         d = self._x_avg - self._settled_x
-        return abs(float(d[1])) > SHIFT_BATCH or abs(float(d[2])) > SHIFT_PREFILL
+        return abs(float(d[1])) > SHIFT_DEMAND or abs(float(d[2])) > SHIFT_PREFILL
 
     def _room(self, inp: ClockInput) -> bool:
         """The SLOs have room for a try: p95 TPOT well under its margin, nothing queued."""
