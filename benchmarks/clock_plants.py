@@ -14,10 +14,12 @@ requests runs on `SimEngine` (a power limit at the plant's ceiling, met by the c
                tokens served stay >= 0.98x unlocked's (what an operator finds by sweep)
     law        powerbatch.control.laws.clock, objective energy, fed 1-second windows
 
-The meter is exact here (no exporter lag); `powerbatch bench --cap-by-clock` runs the same law
-through the real proxy, zeusd and dcgm paths.
+The meter is exact by default; `--meter-lag-s 2` makes it a 1-s mean refreshed once a second
+and that late (as a dcgm-exporter behind a scrape), each reading paired with the load of the
+second it measured and learned once. `powerbatch bench --cap-by-clock` runs the same law through
+the real proxy, zeusd and dcgm paths. Each plant's row also says when the law's search settled.
 
-    python benchmarks/clock_plants.py --plants 6 --seconds 300
+    python benchmarks/clock_plants.py --plants 6 --seconds 300 --meter-lag-s 2
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import numpy as np
@@ -35,7 +37,7 @@ from powerbatch.control.config import ClockPolicy, ControlConfig
 from powerbatch.control.laws.clock import ClockInput, ClockLaw
 from powerbatch.sim import SimEngine
 from powerbatch.sim.gpu_model import GpuProfile
-from powerbatch.sim.plants import draw_plant
+from powerbatch.sim.plants import draw_plant, with_clock_physics
 
 
 class VirtualClock:
@@ -48,16 +50,7 @@ class VirtualClock:
 
 def draw(seed: int) -> tuple[GpuProfile, float, int]:
     plant = draw_plant(np.random.default_rng(1000 + seed))
-    r = np.random.default_rng(5000 + seed)
-    profile = replace(
-        plant.profile,
-        cap_by_clock=True,
-        voltage_knee_frac=float(r.uniform(0.4, 0.8)),
-        voltage_floor_frac=float(r.uniform(0.55, 0.95)),
-        clock_power_frac=float(r.uniform(0.0, 0.8)),
-        mem_issue_clock_frac=float(r.uniform(0.0, 0.9)),
-        roofline_p=float(r.uniform(1.0, 4.0)),
-    )
+    profile = with_clock_physics(plant.profile, np.random.default_rng(5000 + seed))
     return profile, plant.ceiling_w, plant.kv_capacity_tokens
 
 
@@ -70,6 +63,7 @@ def run(
     *,
     law: ClockLaw | None = None,
     lock: tuple[int, int] | None = None,
+    meter_lag_s: float = 0.0,
 ) -> dict[str, float]:
     clock = VirtualClock()
     sim_engine.time.monotonic = clock  # type: ignore[attr-defined]
@@ -90,6 +84,9 @@ def run(
     rate = 0.6 * 16 / (profile.itl_base_s * 300 + 800 / profile.prefill_tok_s) / 2
     next_arrival, changed_s, top = clock.t, -1e9, float(supported[-1])
     window: list[tuple[float, float, int, int, int]] = []
+    held: tuple[float, float, float, float] | None = None  # power, batch, decode, prefill
+    read_at, ticks_since = -math.inf, 0
+    extra = {f.name for f in fields(ClockInput)}  # the law before this harness had fewer
     steps: list[float] = []
     t_tick = clock.t
     for _ in range(int(seconds * 5)):
@@ -112,19 +109,35 @@ def run(
         window.append(
             (t_tick, e, eng.prompt_tokens_total, eng.generation_tokens_total, eng.num_running)
         )
-        while window[0][0] < t_tick - 1.0:
+        while window[0][0] < t_tick - 1.0 - meter_lag_s - 0.2:
             window.pop(0)
-        dt = window[-1][0] - window[0][0]
-        if law is None or dt <= 0:
+        if law is None:
             continue
-        power = (window[-1][1] - window[0][1]) / dt
-        decode = (window[-1][3] - window[0][3]) / dt
-        prefill = (window[-1][2] - window[0][2]) / dt
-        batch = float(np.mean([w[4] for w in window]))
+        ticks_since += 1
+        if meter_lag_s <= 0 or held is None or t_tick - read_at >= 1.0 - 1e-9:
+            # The 1-s mean that ended meter_lag_s ago.
+            span = [w for w in window if t_tick - meter_lag_s - 1.0 - 1e-9 <= w[0]]
+            span = [w for w in span if w[0] <= t_tick - meter_lag_s + 1e-9]
+            if len(span) < 2 or span[-1][0] <= span[0][0]:
+                continue
+            dt = span[-1][0] - span[0][0]
+            held = (
+                (span[-1][1] - span[0][1]) / dt,
+                float(np.mean([w[4] for w in span])),
+                (span[-1][3] - span[0][3]) / dt,
+                (span[-1][2] - span[0][2]) / dt,
+            )
+            weight = 1.0 if meter_lag_s <= 0 else float(min(ticks_since, 5))
+            read_at, ticks_since = t_tick, 0
+        else:
+            weight = 0.0
+        power, batch, decode, prefill = held
         tpot = float(np.percentile(steps[-200:], 95)) if steps else None
         inp = ClockInput(
             t_tick, power, batch, decode, prefill, eng.num_waiting, None, tpot, top, changed_s
         )
+        if "reading_weight" in extra:
+            inp = replace(inp, reading_weight=weight, meter_lag_s=meter_lag_s)  # type: ignore[call-arg]
         choice = law.tick(inp, True)
         new = float(choice.lock[1]) if choice.lock else float(supported[-1])
         if new != top:
@@ -139,6 +152,9 @@ def run(
         "j_per_token": eng.energy_j(eng._clock_s) / max(tokens, 1),
         "tokens": float(tokens),
         "step_p95_ms": 1000 * float(np.percentile(steps, 95)) if steps else math.nan,
+        "settled_s": math.nan
+        if law is None or getattr(law, "settled_at_s", None) is None
+        else law.settled_at_s - 1000.0,  # type: ignore[operator]
     }
 
 
@@ -148,13 +164,14 @@ def main() -> None:
     p.add_argument("--first", type=int, default=0)
     p.add_argument("--seconds", type=float, default=300.0)
     p.add_argument("--out", default=None, help="also write the rows here as JSON")
+    p.add_argument("--meter-lag-s", type=float, default=0.0, help="0: an exact meter")
     a = p.parse_args()
     rows: list[dict[str, Any]] = []
     for seed in range(a.first, a.first + a.plants):
         profile, ceiling_w, kv = draw(seed)
         base = run(profile, ceiling_w, kv, seed, a.seconds)
         law = ClockLaw(ClockPolicy(clock_objective="energy"), ControlConfig(ceiling_w=ceiling_w))
-        learned = run(profile, ceiling_w, kv, seed, a.seconds, law=law)
+        learned = run(profile, ceiling_w, kv, seed, a.seconds, law=law, meter_lag_s=a.meter_lag_s)
         floor = profile.sm_clock_min_mhz
         best = base
         for top in law.levels[1:]:
@@ -172,13 +189,16 @@ def main() -> None:
             "best_static_mhz": best.get("top_mhz", profile.sm_clock_max_mhz),
             "tokens_law_vs_cap": learned["tokens"] / base["tokens"],
             "step_p95_ms": (base["step_p95_ms"], learned["step_p95_ms"]),
+            "settled_s": learned["settled_s"],
+            "meter_lag_s": a.meter_lag_s,
         }
         rows.append(row)
         print(
             f"plant {seed} ({profile.num_gpus} GPU): J/token law {row['law_vs_cap']:.3f}x cap, "
             f"best static ({row['best_static_mhz']} MHz) {row['static_vs_cap']:.3f}x cap, "
             f"law {row['law_vs_static']:.3f}x static; tokens {row['tokens_law_vs_cap']:.3f}x; "
-            f"p95 step {base['step_p95_ms']:.1f} -> {learned['step_p95_ms']:.1f} ms",
+            f"p95 step {base['step_p95_ms']:.1f} -> {learned['step_p95_ms']:.1f} ms; "
+            f"settled at {learned['settled_s']:.0f} s",
             flush=True,
         )
     worst = max(rows, key=lambda r: r["law_vs_cap"])

@@ -244,3 +244,127 @@ def test_clock_settings_are_checked_where_they_are_loaded() -> None:
         load(SERVE, overrides=base | {"clock_range_mhz": (1980, 345)})
     s = load(SERVE, overrides=base)
     assert s.clock.clock_control == "none" and s.clock_policy.clock_objective == "throughput"
+
+
+# ---- the search: convergence under a late meter, and backing off an SLO -----------------------
+
+
+def demand_plant(m: float, c: float, idle: float, dyn: float, s0: float = 0.02) -> Any:
+    """A plant serving a demand D tok/s (below capacity: the same at any clock): step time
+    s0 (m + (1 - m) / f) at clock share f, the batch D x step (Little's law), power
+    idle + dyn (b / (b + 16)) (c f^3 + (1 - c)). J/token is power / D."""
+
+    def at_clock(f_mhz: float, demand: float) -> tuple[float, float, float]:
+        f = f_mhz / SUPPORTED[-1]
+        step = s0 * (m + (1 - m) / f)
+        batch = demand * step
+        power = idle + dyn * batch / (batch + 16) * (c * f**3 + (1 - c))
+        return step, batch, power
+
+    return at_clock
+
+
+def drive_late(
+    law: ClockLaw,
+    at_clock: Any,
+    seconds: float,
+    *,
+    lag_s: float = 2.0,
+    tail: float = 1.0,
+) -> list[tuple[float, float, float, bool]]:
+    """Tick the law at 5 Hz on a varying demand (1500 tok/s +- 20 %, a 17-s period), with the
+    meter of a dcgm-exporter: a 1-s mean refreshed once a second, `lag_s` late, paired with the
+    load of the second it measured and learned once. p95 TPOT is `tail` x the step time now.
+    Returns (t, the clock in force, the reported p95 TPOT, exploring) per tick."""
+    top_mhz = float(SUPPORTED[-1])
+    changed = -100.0
+    history: list[tuple[float, float, float, float]] = []  # t, power, batch, decode tok/s
+    held: tuple[float, float, float] | None = None
+    out: list[tuple[float, float, float, bool]] = []
+    since = 0
+    for k in range(int(seconds * 5)):
+        t = k / 5
+        demand = 1500.0 * (1 + 0.2 * np.sin(2 * np.pi * t / 17.0))
+        step, batch, power = at_clock(top_mhz, demand)
+        history.append((t, power, batch, demand))
+        since += 1
+        weight = 0.0
+        if k % 5 == 0 and t - lag_s - 1.0 >= 0:
+            span = [h for h in history if t - lag_s - 1.0 < h[0] <= t - lag_s + 1e-9]
+            held = tuple(float(np.mean([h[j] for h in span])) for j in (1, 2, 3))  # type: ignore[assignment]
+            weight, since = float(min(since, 5)), 0
+        if held is None:
+            continue
+        p_w, b, d = held
+        inp = ClockInput(
+            t_s=t, power_w=p_w, batch=b, decode_tok_s=d, prefill_tok_s=0.0, queued=0,
+            ttft_p95_s=0.1, tpot_p95_s=tail * step, top_mhz=top_mhz, changed_at_s=changed,
+            reading_weight=weight, meter_lag_s=lag_s,
+        )  # fmt: skip
+        choice = law.tick(inp, True)
+        new_top = float(choice.lock[1]) if choice.lock else float(SUPPORTED[-1])
+        if new_top != top_mhz:
+            top_mhz, changed = new_top, t
+        out.append((t, top_mhz, tail * step, choice.exploring))
+    return out
+
+
+def default_law(**policy: Any) -> ClockLaw:
+    law = ClockLaw(
+        ClockPolicy(clock_objective="energy", **policy),
+        ControlConfig(ceiling_w=1000.0, tpot_slo_s=0.1),
+    )
+    law.set_supported(SUPPORTED, 5.0)
+    return law
+
+
+@pytest.mark.parametrize(
+    ("m", "c"),
+    [(0.9, 0.8), (0.7, 0.9), (0.95, 0.5)],
+)
+def test_the_search_converges_to_the_best_clock_within_seconds_under_a_late_meter(
+    m: float, c: float
+) -> None:
+    """Default settings, a meter 2 s late: within 45 s the clock in force (outside probes) is the
+    level with the fewest J/token among those the step bounds allow, and stays there."""
+    at_clock = demand_plant(m, c, idle=90.0, dyn=500.0)
+    law = default_law()
+    pol = law.policy
+
+    def j_per_token(f: float) -> float:
+        return at_clock(f, 1500.0)[2] / 1500.0
+
+    step_top = at_clock(SUPPORTED[-1], 1500.0)[0]
+    ok = [
+        f
+        for f in law.levels
+        if at_clock(f, 1500.0)[0]
+        <= min(pol.clock_tpot_margin * 0.1, (1 + pol.clock_max_slowdown) * step_top)
+    ]
+    best = min(ok, key=j_per_token)
+    assert best != law.levels[0]  # the default (the top) is not the best here
+    trace = drive_late(law, at_clock, 90.0)
+    settled = [f for t, f, _, exploring in trace if t >= 45.0 and not exploring]
+    assert settled and np.mean([j_per_token(f) for f in settled]) <= 1.01 * j_per_token(best), (
+        best,
+        sorted(set(settled)),
+    )
+    assert law.settled_at_s is not None and law.settled_at_s <= 45.0
+
+
+def test_the_law_backs_off_a_clock_under_which_the_tpot_slo_is_breached() -> None:
+    """p95 TPOT runs 2.9x the mean step here (long prompts interleaved, say), so the levels
+    the mean step allows breach the SLO's margin at the lowest clocks. The law leaves such a
+    clock and does not come back to it: past the first breach, p95 TPOT keeps the margin, and
+    the clock still saves (it stays under the top)."""
+    at_clock = demand_plant(0.2, 0.8, idle=90.0, dyn=500.0, s0=0.02)
+    law = default_law(clock_max_slowdown=0.5)  # explicit: the mean step allows 0.65 x the top
+    margin = law.policy.clock_tpot_margin * 0.1
+    trace = drive_late(law, at_clock, 120.0, tail=2.9)
+    over = [t for t, _, tpot, _ in trace if tpot > margin]
+    assert over, "the plant must breach at some level the mean step allows"
+    after = [(t, f, tpot) for t, f, tpot, _ in trace if t > over[0] + 10.0]
+    assert after
+    breached = sum(tpot > margin for _, _, tpot in after) / len(after)
+    assert breached <= 0.03, breached
+    assert np.mean([f for _, f, _ in after]) < SUPPORTED[-1]

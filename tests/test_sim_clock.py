@@ -200,3 +200,31 @@ def test_zeusd_clock_routes_answer_in_zeusds_shapes() -> None:
     assert no_gpu == (400, "text/plain", "GPU index 9 does not exist.")
     assert refused[0] == 400 and list(json.loads(refused[2])["errors"]) == ["2"]
     assert reset[0] == 200 and engine.gpu_locked_clocks_mhz == [None] * 4
+
+
+def test_bench_scenario_takes_the_drawn_plant_with_clock_physics_drawn_in_range() -> None:
+    """`powerbatch bench --scenario SEED:K`: the scenario's plant, ceiling and load, the clock
+    model's constants drawn inside `CLOCK_RANGES` and a limit met by the clock."""
+    import argparse
+
+    from powerbatch.cli.bench import apply_scenario, proxy_args
+    from powerbatch.cli.scenarios import draw_scenario
+    from powerbatch.sim.plants import CLOCK_RANGES
+
+    a = argparse.Namespace(
+        scenario="1:1", cap_by_clock=True, ceiling_w=600.0, gpu="h100-llama8b",
+        ttft_slo_s=2.0, tpot_slo_s=0.1, valley_fill=False, prefill_pacing=None,
+    )  # fmt: skip
+    load = apply_scenario(a)
+    sc = draw_scenario(1, 1)
+    assert load is not None and load.name == sc.load.profile.name
+    assert a.ceiling_w == sc.plant.ceiling_w and a.gpu == sc.plant.profile.name
+    prof = a.plant.profile
+    assert prof.cap_by_clock
+    for key, (lo, hi) in CLOCK_RANGES.items():
+        assert lo <= getattr(prof, key) <= hi
+        assert getattr(prof, key) != getattr(sc.plant.profile, key)  # drawn, not the default
+    gpus = proxy_args(a)[proxy_args(a).index("--gpus") + 1]
+    assert gpus.count(",") + 1 == prof.num_gpus
+    b = argparse.Namespace(scenario=None)
+    assert apply_scenario(b) is None and b.plant is None

@@ -18,6 +18,7 @@ import math
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +106,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         choices=("energy", "weighted"),
         help="the powerbatch-clock arm's clock objective",
     )
+    p.add_argument(
+        "--scenario",
+        default=None,
+        metavar="SEED:K",
+        help="run on scenario K of `powerbatch scenarios --seed SEED` instead of --gpu and "
+        "--profile: its drawn plant, ceiling, meter and load, with the clock model's constants "
+        "drawn too (powerbatch.sim.plants.with_clock_physics)",
+    )
     p.add_argument("--out", type=Path, default=Path("results/bench"))
     p.set_defaults(func=main)
 
@@ -117,6 +126,27 @@ async def run_traces(stack: Stack, t0: float) -> tuple[Any, Any]:
             return trace, None
         history = await fetch_json(session, f"{stack.proxy_url}/status/history?since_s={t0 - 10}")
         return trace, history
+
+
+def apply_scenario(a: argparse.Namespace) -> LoadProfile | None:
+    """`--scenario SEED:K`: the drawn plant goes on `a.plant` (its ceiling on `a.ceiling_w`,
+    its name on `a.gpu`); returns its load, or None without the flag."""
+    if not getattr(a, "scenario", None):
+        a.plant = None
+        return None
+    import numpy as np
+
+    from powerbatch.cli.scenarios import draw_scenario  # it imports this module
+    from powerbatch.sim.plants import with_clock_physics
+
+    seed, index = (int(x) for x in str(a.scenario).split(":"))
+    sc = draw_scenario(seed, index)
+    plant = sc.plant
+    if getattr(a, "cap_by_clock", False):
+        physics = with_clock_physics(plant.profile, np.random.default_rng([seed, index, 24]))
+        plant = replace(plant, profile=physics)
+    a.plant, a.ceiling_w, a.gpu = plant, plant.ceiling_w, plant.profile.name
+    return sc.load.profile
 
 
 async def fetch_json(session: aiohttp.ClientSession, url: str) -> Any:
@@ -138,7 +168,9 @@ def serve_args(num_gpus: int, ceiling_w: float, a: argparse.Namespace) -> list[s
 def proxy_args(a: argparse.Namespace) -> list[str]:
     from powerbatch.sim.gpu_model import PROFILES as GPUS
 
-    args = serve_args(GPUS[a.gpu].num_gpus if a.gpu in GPUS else 1, a.ceiling_w, a)
+    plant = getattr(a, "plant", None)
+    num_gpus = plant.profile.num_gpus if plant else GPUS[a.gpu].num_gpus if a.gpu in GPUS else 1
+    args = serve_args(num_gpus, a.ceiling_w, a)
     if a.valley_fill:
         args.append("--valley-fill")
     if a.prefill_pacing is not None:
@@ -157,14 +189,9 @@ async def run_arm(
     during: Callable[[Stack, float], Coroutine[Any, Any, None]] | None = None,
 ) -> RunData:
     """One run of one arm: fresh simulator (and proxy), the seeded load, the traces."""
-    sim_args = [
-        "--profile",
-        a.gpu,
-        "--stream-interval-tokens",
-        str(a.stream_interval_tokens),
-        "--seed",
-        str(a.seed),
-    ]
+    plant = getattr(a, "plant", None)
+    sim_args = [] if plant else ["--profile", a.gpu]
+    sim_args += ["--stream-interval-tokens", str(a.stream_interval_tokens), "--seed", str(a.seed)]
     if arm in ("hwcap", "hwcap-hop", "hwcap-lock"):
         sim_args += ["--power-limit-w", str(a.ceiling_w)]
     if getattr(a, "cap_by_clock", False):
@@ -183,14 +210,20 @@ async def run_arm(
             "--clock-control", "zeusd", "--clock-objective", objective,
             "--clock-range-mhz", ",".join(map(str, CLOCK_RANGE_MHZ)),
         ]  # fmt: skip
-    async with Stack(
-        log_dir / arm,
-        sim_args=sim_args,
-        proxy_args=proxy_args(a) + extra,
-        with_proxy=arm in PROXIED,
-        limiter=arm in LIMITED,
-        dcgm_interval_s=a.dcgm_interval_s,
-    ) as stack:
+    stack_args: dict[str, Any] = {
+        "sim_args": sim_args,
+        "proxy_args": proxy_args(a) + extra,
+        "with_proxy": arm in PROXIED,
+        "limiter": arm in LIMITED,
+    }
+    if plant:
+        from powerbatch.cli.scenarios import PlantStack  # it imports this module
+
+        sim_args += ["--kv-capacity-tokens", str(plant.kv_capacity_tokens)]
+        new_stack: Stack = PlantStack(log_dir / arm, plant, **stack_args)
+    else:
+        new_stack = Stack(log_dir / arm, dcgm_interval_s=a.dcgm_interval_s, **stack_args)
+    async with new_stack as stack:
         t0 = time.monotonic()
         load = asyncio.create_task(run_load(stack.entry_url, plan))
         watcher = asyncio.create_task(during(stack, t0)) if during else None
@@ -356,7 +389,7 @@ async def _bench(a: argparse.Namespace) -> int:
     if unknown:
         console.print(f"[red]unknown arms: {', '.join(sorted(unknown))}")
         return 2
-    profile = PROFILES[a.profile]()
+    profile = apply_scenario(a) or PROFILES[a.profile]()
     a.out.mkdir(parents=True, exist_ok=True)
     per_arm: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     first_runs: list[RunData] = []
@@ -415,7 +448,9 @@ async def _bench(a: argparse.Namespace) -> int:
         json.dumps(
             {
                 "title": title,
-                "args": {k: str(v) for k, v in vars(a).items() if k != "func"},
+                "args": {k: str(v) for k, v in vars(a).items() if k not in ("func", "plant")},
+                "plant": a.plant.to_json() if getattr(a, "plant", None) else None,
+                "static_clock_mhz": static_clock if "hwcap-lock" in arms else None,
                 "aggregate": results,
                 "runs": per_arm,
             },

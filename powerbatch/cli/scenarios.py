@@ -19,7 +19,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -576,8 +576,15 @@ def _sim_main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dcgm-interval-s", type=float, default=0.0)
     p.add_argument("--dcgm-lag-s", type=float, default=0.0)
+    p.add_argument("--cap-by-clock", action="store_true")
+    p.add_argument("--lock-clocks-mhz", default=None)
     a = p.parse_args(argv)
     plant = Plant.from_json(json.loads(a.plant_file.read_text()))
+    profile = replace(plant.profile, cap_by_clock=True) if a.cap_by_clock else plant.profile
+    lock = None
+    if a.lock_clocks_mhz:
+        lo, hi = (int(x) for x in a.lock_clocks_mhz.split(","))
+        lock = (lo, hi)
     logging.basicConfig(level=logging.WARNING)
     try:
         asyncio.run(
@@ -585,12 +592,13 @@ def _sim_main(argv: list[str]) -> int:
                 a.host,
                 a.port,
                 stream_interval_tokens=a.stream_interval_tokens,
-                profile=plant.profile,
+                profile=profile,
                 kv_capacity_tokens=a.kv_capacity_tokens or plant.kv_capacity_tokens,
                 power_limit_w=a.power_limit_w,
                 seed=a.seed,
                 dcgm_interval_s=a.dcgm_interval_s,
                 dcgm_lag_s=a.dcgm_lag_s,
+                locked_clocks_mhz=lock,
             )
         )
     except KeyboardInterrupt:

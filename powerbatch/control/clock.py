@@ -150,7 +150,7 @@ class DeviceClock:
         supported = self.actuator.supported_mhz()
         return float(supported[-1]) if supported else math.nan
 
-    def tick(self, obs: Observation, t_s: float) -> ClockChoice:
+    def tick(self, obs: Observation, t_s: float, meter_lag_s: float = 0.0) -> ClockChoice:
         """One tick of the law; its choice is applied off the tick."""
         if not self.law.levels:
             self.law.set_supported(self.actuator.supported_mhz(), self._tick_hz)
@@ -167,6 +167,9 @@ class DeviceClock:
             tpot_p95_s=lat.tpot_p95_s if lat else None,
             top_mhz=self._top_mhz(),
             changed_at_s=self._changed_at,
+            reading_weight=obs.reading_weight,
+            meter_lag_s=meter_lag_s,
+            prefill_now_tok_s=obs.features.prefill_tok_s,
         )
         choice = self.law.tick(inp, obs.sensor_ok and obs.power_w is not None)
         self.phases.add(t_s, obs.power_w, obs.features.prefill_tok_s, obs.features.decode_tok_s)

@@ -290,22 +290,35 @@ class ClockPolicy:
         0.8, "a lower clock must keep its predicted step time under this share of tpot_slo_s", gt=0
     )
     clock_max_slowdown: float = setting(
-        0.15, "a lower clock may lengthen the step by at most this share (the demand)", ge=0
+        0.5,
+        "a lower clock may lengthen the step by at most this share (the TPOT SLO margin is the "
+        "constraint; this bounds the capacity given up)",
+        ge=0,
     )
     clock_min_gain: float = setting(
         0.03, "move only for a predicted saving of at least this share of J/token", ge=0, lt=1
     )
     clock_explore_every_s: float = setting(
-        10.0, "try a neighbouring clock this often while the SLOs have room, s", gt=0
+        30.0,
+        "once the search has settled, recheck a neighbouring clock this often while the SLOs "
+        "have room, s",
+        gt=0,
     )
-    clock_explore_s: float = setting(3.0, "and stay there this long, s", gt=0)
+    clock_explore_s: float = setting(
+        2.0,
+        "a probed clock is judged on this many seconds of readings taken after it settled, s",
+        gt=0,
+    )
     clock_hold_s: float = setting(
         5.0,
         "after a prefill burst, a growing queue or an SLO at risk, hold the top this long, s",
         ge=0,
     )
     clock_settle_s: float = setting(
-        1.5, "readings this soon after a clock change are not learned (the 1-s meter), s", ge=0
+        1.5,
+        "readings this soon after a clock change are not learned; longer while the meter lags "
+        "(its learned lag plus its 1-s window), s",
+        ge=0,
     )
 
     def __post_init__(self) -> None:

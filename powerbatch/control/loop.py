@@ -334,7 +334,7 @@ class ControlLoop:
         if self.device is not None:
             self.device.request(self._limit_request_w(d, t_s))
         if self.sm_clock is not None:
-            self.sm_clock.tick(obs, t_s)
+            self.sm_clock.tick(obs, t_s, self._aligner.lag.lag_s)
         self._sample, self._latency, self._tick_error = host, latency, None
         if t_s - self._model_at >= 1.0:  # for /status, off its request path
             self._model_at = t_s

@@ -19,7 +19,7 @@ import numpy as np
 
 from powerbatch.sim.gpu_model import GpuProfile, decode_power_w, decode_step_s, prefill_power_w
 
-__all__ = ["METERS", "RANGES", "Plant", "draw_plant"]
+__all__ = ["CLOCK_RANGES", "METERS", "RANGES", "Plant", "draw_plant", "with_clock_physics"]
 
 METERS: dict[str, tuple[float, float]] = {
     "instant": (0.0, 0.0),
@@ -260,3 +260,22 @@ def draw_plant(rng: np.random.Generator, name: str = "drawn") -> Plant:
         "meter": meter,
     }
     return Plant(profile, ceiling, kv, meter, draw)
+
+
+CLOCK_RANGES: dict[str, tuple[float, float]] = {
+    "voltage_knee_frac": (0.4, 0.8),
+    "voltage_floor_frac": (0.55, 0.95),
+    "clock_power_frac": (0.0, 0.8),
+    "mem_issue_clock_frac": (0.0, 0.9),
+    "roofline_p": (1.0, 4.0),
+}
+"""The clock model's constants drawn for the clock benches (docs/clock.md): no source publishes
+Hopper's V/f table, and the sources disagree on where decode stops being flat (VoltanaLLM, arXiv
+2509.04827: a U with a sweet spot; arXiv 2501.08219: flat down to the lowest clock), so both are
+drawn. Uniform, in this order (the draws of benchmarks/clock_plants.py)."""
+
+
+def with_clock_physics(profile: GpuProfile, rng: np.random.Generator) -> GpuProfile:
+    """`profile` with its clock physics drawn (`CLOCK_RANGES`) and a limit met by the clock."""
+    drawn: dict[str, Any] = {k: float(rng.uniform(lo, hi)) for k, (lo, hi) in CLOCK_RANGES.items()}
+    return replace(profile, cap_by_clock=True, **drawn)
