@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from powerbatch.proxy.errors import error_body
+from powerbatch.proxy.errors import error_body, json_error
 
 _OUTPUT_TOKENS = re.compile(rb'"output_tokens":\s*(\d+)')
 _INPUT_TOKENS = re.compile(rb'"input_tokens":\s*(\d+)')
@@ -83,9 +83,8 @@ class Dialect:
         retry_after_s: int | None = None,
     ) -> web.Response:
         """A refusal or failure as a JSON answer in this family's shape."""
-        headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
         body = self.error_body(status, message, code=code, param=param)
-        return web.json_response(body, status=status, headers=headers)
+        return json_error(body, status, retry_after_s)
 
     def stream_error(self, status: int, message: str, code: str, events: int) -> bytes:
         """The end of a stream that failed under way: an error event, then the terminator the

@@ -42,10 +42,13 @@ def error_response(
     param: str | None = None,
     retry_after_s: int | None = None,
 ) -> web.Response:
+    return json_error(error_body(status, message, code=code, param=param), status, retry_after_s)
+
+
+def json_error(body: object, status: int, retry_after_s: int | None = None) -> web.Response:
+    """An error body as the JSON answer, with Retry-After where the client should wait."""
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
-    return web.json_response(
-        error_body(status, message, code=code, param=param), status=status, headers=headers
-    )
+    return web.json_response(body, status=status, headers=headers)
 
 
 def sse_error_event(status: int, message: str, code: str | None = None) -> bytes:
