@@ -1,35 +1,56 @@
 """The skeleton of a device actuator: paced changes that degrade on failure, never raise.
 
-Why one module: the power limit's actuator (`LimitActuator`, powerbatch.telemetry.limiter) and
-the SM clock's (`ClockActuator`, powerbatch.telemetry.clock) follow the same safety rules, and
-two copies of them drift. `PacedActuator` holds those rules once:
-
-  * its backend is started, and every change made, within `timeout_s`; a timeout is reported
-    as the backend's own error, naming what timed out;
-  * a failure (of `start()` too) is counted and sets `degraded` with a reason; a retry waits
-    on a `Backoff` (base.py), so a failing device is not hammered, and the first success
-    clears it;
-  * a change in the paced direction waits `min_interval_s` after the last change;
-  * `status()` carries the same degraded/reason/changes/failures fields for both.
+Why it exists: the power limit's actuator (`LimitActuator`, telemetry.limiter) and the SM
+clock's (`ClockActuator`, telemetry.clock) follow the same safety rules, and two copies of them
+drift. `PacedActuator` holds them once: the backend is started, and each change made, within
+`timeout_s` (a timeout is reported as the backend's own error, naming what timed out); a failure,
+of `start()` too, is counted and sets `degraded` with a reason, and the retry waits on a
+`Backoff` so a failing device is not hammered; the first success clears it; a change in the
+paced direction waits `min_interval_s`; `status()` carries the same degraded, reason, changes
+and failures fields for both.
 
 Each actuator keeps its own law: what a request snaps or clamps to, its dead band, which
-direction is paced (a limit's raises, a clock's cuts), and what a failure leaves in force
-(the limit: unknown; the clock: a fall back to unlocked). Logs go to the actuator's own module
-logger, as before this base existed.
+direction is paced (a limit's raises, a clock's cuts), and what a failure leaves in force (the
+limit: unknown; the clock: a fall back to unlocked). Logs go to each actuator's module logger.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Generic, Protocol, TypedDict, TypeVar
 
 from powerbatch.errors import PowerbatchError
-from powerbatch.telemetry.base import Backoff
 
-__all__ = ["Device", "PacedActuator", "Pacing"]
+__all__ = ["Backoff", "Device", "PacedActuator", "Pacing"]
+
+
+class Backoff:
+    """When a failed device change may be tried again: the wait doubles from `initial_s` to
+    `max_s` with each failure, and a success starts it over."""
+
+    def __init__(self, initial_s: float, max_s: float) -> None:
+        if not 0 < initial_s <= max_s:
+            raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
+        self.initial_s, self.max_s = initial_s, max_s
+        self.wait_s = initial_s
+        self.retry_at_s = -math.inf
+
+    def ready(self, now_s: float) -> bool:
+        return now_s >= self.retry_at_s
+
+    def failed(self, now_s: float) -> float:
+        """Schedule the retry; returns the wait it set."""
+        wait_s = self.wait_s
+        self.retry_at_s = now_s + wait_s
+        self.wait_s = min(wait_s * 2.0, self.max_s)
+        return wait_s
+
+    def succeeded(self) -> None:
+        self.wait_s = self.initial_s
 
 
 class Device(Protocol):
