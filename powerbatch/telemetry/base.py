@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -34,29 +33,3 @@ class PowerSource(Protocol):
     async def read(self) -> PowerSample: ...
 
     async def close(self) -> None: ...
-
-
-class Backoff:
-    """When a failed device change may be tried again: the wait doubles from `initial_s` to
-    `max_s` with each failure, and a success starts it over. One for every actuator (the
-    power limit, the SM clock)."""
-
-    def __init__(self, initial_s: float, max_s: float) -> None:
-        if not 0 < initial_s <= max_s:
-            raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
-        self.initial_s, self.max_s = initial_s, max_s
-        self.wait_s = initial_s
-        self.retry_at_s = -math.inf
-
-    def ready(self, now_s: float) -> bool:
-        return now_s >= self.retry_at_s
-
-    def failed(self, now_s: float) -> float:
-        """Schedule the retry; returns the wait it set."""
-        wait_s = self.wait_s
-        self.retry_at_s = now_s + wait_s
-        self.wait_s = min(wait_s * 2.0, self.max_s)
-        return wait_s
-
-    def succeeded(self) -> None:
-        self.wait_s = self.initial_s

@@ -41,10 +41,10 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Unpack, runtime_checkable
 
 from powerbatch.errors import ClockError, ConfigError, TelemetryError
-from powerbatch.telemetry.base import Backoff
+from powerbatch.telemetry.actuator import PacedActuator, Pacing
 from powerbatch.telemetry.gpu_ids import GpuId
 from powerbatch.telemetry.limiter import LimitStateFile, default_state_dir
 from powerbatch.telemetry.nvml import NvmlClockLocker
@@ -360,7 +360,7 @@ class NoClock:
         return None
 
 
-class ClockActuator:
+class ClockActuator(PacedActuator[ClockBackend]):
     """Applies the controller's requested lock at a safe pace; never raises on failure.
 
     A request is a (min, max) in MHz, or None for the driver's default policy (unlocked). It is
@@ -369,43 +369,30 @@ class ClockActuator:
     after the last change, a higher one (or unlocking) goes at once. A failure or timeout resets
     the clocks (unlocked is the fallback: the driver's own policy, fastest), sets `degraded`
     with a reason and retries after a backoff doubling from `backoff_initial_s` to
-    `backoff_max_s`; the first success clears it.
+    `backoff_max_s`; the first success clears it. The pacing, timeout and backoff are
+    `PacedActuator`'s (powerbatch.telemetry.actuator).
     """
 
+    error = ClockError
+    timeout_error = ClockError
+    control = "clock control"
+
     def __init__(
-        self,
-        backend: ClockBackend,
-        *,
-        dead_band_mhz: float = 45.0,
-        min_interval_s: float = 2.0,
-        timeout_s: float = 2.0,
-        backoff_initial_s: float = 1.0,
-        backoff_max_s: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
+        self, backend: ClockBackend, *, dead_band_mhz: float = 45.0, **pacing: Unpack[Pacing]
     ) -> None:
-        if dead_band_mhz < 0 or min_interval_s < 0 or timeout_s <= 0:
-            raise ValueError("dead_band_mhz and min_interval_s must be >= 0, timeout_s > 0")
-        self.backend = backend
+        if dead_band_mhz < 0:
+            raise ValueError("dead_band_mhz must be >= 0")
+        super().__init__(backend, **pacing)
         self.dead_band_mhz = dead_band_mhz
-        self.min_interval_s = min_interval_s
-        self.timeout_s = timeout_s
-        self.backoff = Backoff(backoff_initial_s, backoff_max_s)
-        self._clock = clock
         self.in_force: Lock | None = None  # None: unlocked (the driver's policy)
         self.known = True  # False after a failed reset: what is in force is unknown
         self.requested: Lock | None = None
         self.measured_mhz: float | None = None
-        self.degraded = False
-        self.degraded_reason: str | None = None
-        self.changes_total = 0
-        self.failures_total = 0
         self.fallbacks_total = 0
-        self.last_change_s: float | None = None
-        self._started = False
 
     @property
-    def name(self) -> str:
-        return self.backend.name
+    def backend(self) -> ClockBackend:
+        return self.device
 
     def supported_mhz(self) -> list[int]:
         """The supported clocks, ascending; [] before the backend has started."""
@@ -424,10 +411,9 @@ class ClockActuator:
 
     def decide(self, target: Lock | None, now_s: float) -> str:
         """What `apply` would do now: apply, same, dead_band, too_soon, backoff or inactive."""
-        if not self.backend.controls_device:
-            return "inactive"
-        if self.degraded or not self._started:
-            return "apply" if self.backoff.ready(now_s) else "backoff"
+        gate = self._gate(now_s)
+        if gate is not None:
+            return gate
         if target == self.in_force and self.known:
             return "same"
         if target is None or self.in_force is None or not self.known:
@@ -439,23 +425,7 @@ class ClockActuator:
             ):
                 return "dead_band"
             higher = target[1] > hi0
-        if higher:
-            return "apply"
-        if self.last_change_s is not None and now_s - self.last_change_s < self.min_interval_s:
-            return "too_soon"
-        return "apply"
-
-    async def start(self) -> bool:
-        """Start the backend (crash recovery first); False and degraded if it could not."""
-        if self._started:
-            return True
-        try:
-            await asyncio.wait_for(self.backend.start(), self.timeout_s)
-        except (ClockError, TimeoutError) as exc:
-            self._fail(exc, self._clock(), "start", fallback=False)
-            return False
-        self._started = True
-        return True
+        return "apply" if higher else self._paced(now_s)
 
     async def apply(self, requested: tuple[float, float] | None) -> Lock | None:
         """Apply a request if the rules allow; the lock in force after (None: unlocked)."""
@@ -469,28 +439,23 @@ class ClockActuator:
         verdict = self.decide(target, now_s)
         if verdict != "apply":
             return self.in_force
+        what = "unlock" if target is None else f"lock {target[0]}-{target[1]} MHz"
         try:
             if target is None:
-                await asyncio.wait_for(self.backend.restore(), self.timeout_s)
+                await self._timed(self.backend.restore(), what)
             else:
-                await asyncio.wait_for(self.backend.lock(*target), self.timeout_s)
-        except (ClockError, TimeoutError) as exc:
-            what = "unlock" if target is None else f"lock {target[0]}-{target[1]} MHz"
+                await self._timed(self.backend.lock(*target), what)
+        except ClockError as exc:
             await self._fallback(exc, now_s, what)
             return self.in_force
-        if self.degraded:
-            _log.info("%s: clock control recovered", self.name)
-        self.degraded, self.degraded_reason = False, None
-        self.backoff.succeeded()
+        self._succeeded(now_s)
         before, self.in_force, self.known = self.in_force, target, True
-        self.last_change_s = now_s
-        self.changes_total += 1
         _log.info("%s: SM clocks %s (were %s)", self.name, _fmt_lock(target), _fmt_lock(before))
         return target
 
     async def _fallback(self, exc: BaseException, now_s: float, what: str) -> None:
         """A failed change: back to unlocked clocks, degraded until a retry succeeds."""
-        self._fail(exc, now_s, what, fallback=True)
+        self._fail(exc, now_s, what, note=", falling back to unlocked clocks")
         try:
             await asyncio.wait_for(self.backend.restore(), self.timeout_s)
             self.in_force, self.known = None, True
@@ -498,22 +463,6 @@ class ClockActuator:
             self.known = False  # the state file stays: the next start resets
             _log.error("%s: falling back to unlocked clocks failed too: %s", self.name, reset_exc)
         self.fallbacks_total += 1
-
-    def _fail(self, exc: BaseException, now_s: float, what: str, *, fallback: bool) -> None:
-        if isinstance(exc, TimeoutError) and not isinstance(exc, ClockError):
-            exc = ClockError(f"{what}: no answer within {self.timeout_s:g} s")
-        reason = f"{type(exc).__name__}: {exc}"
-        self.failures_total += 1
-        wait_s = self.backoff.failed(now_s)
-        _log.warning(
-            "%s: %s failed, clock control degraded%s (retry in %.0f s): %s",
-            self.name,
-            what,
-            ", falling back to unlocked clocks" if fallback else "",
-            wait_s,
-            reason,
-        )
-        self.degraded, self.degraded_reason = True, reason
 
     async def sample(self) -> float | None:
         """Read the SM clock now (for the metric); None where it cannot be read."""
@@ -526,11 +475,8 @@ class ClockActuator:
             self.measured_mhz = None
         return self.measured_mhz
 
-    async def restore(self) -> None:
-        """Reset the clocks if powerbatch locked them (raises ClockError if that fails)."""
-        if self._started:
-            await asyncio.wait_for(self.backend.restore(), self.timeout_s)
-            self.in_force, self.known = None, True
+    def _restored(self) -> None:
+        self.in_force, self.known = None, True
 
     def status(self) -> dict[str, Any]:
         """For /status and metrics."""
@@ -542,10 +488,7 @@ class ClockActuator:
             "known": self.known,
             "sm_clock_mhz": self.measured_mhz,
             "supported_mhz": [supported[0], supported[-1]] if supported else None,
-            "degraded": self.degraded,
-            "degraded_reason": self.degraded_reason,
-            "changes_total": self.changes_total,
-            "failures_total": self.failures_total,
+            **self._status(),
             "fallbacks_total": self.fallbacks_total,
         }
 

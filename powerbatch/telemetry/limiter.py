@@ -32,7 +32,6 @@ through zeusd leaves it at the max: still a limit the device accepts, never a lo
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -41,10 +40,10 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, Unpack, runtime_checkable
 
 from powerbatch.errors import (
     ConfigError,
@@ -54,7 +53,7 @@ from powerbatch.errors import (
     PowerLimitError,
     TelemetryError,
 )
-from powerbatch.telemetry.base import Backoff
+from powerbatch.telemetry.actuator import PacedActuator, Pacing
 from powerbatch.telemetry.gpu_ids import GpuId
 from powerbatch.telemetry.nvml import NvmlPowerLimiter
 from powerbatch.telemetry.settings import LimiterSettings
@@ -506,7 +505,7 @@ class NoLimiter:
         return None
 
 
-class LimitActuator:
+class LimitActuator(PacedActuator[PowerLimiter]):
     """Applies the controller's requested total limit at a safe pace; never raises on failure.
 
     A request is applied when it differs from the total in force by more than `dead_band_w`;
@@ -514,36 +513,27 @@ class LimitActuator:
     A failure or timeout (of `start()` too) sets `degraded` with a reason, forgets the total in
     force (a half-applied change is unknown), and retries after a backoff that doubles from
     `backoff_initial_s` to `backoff_max_s`; the first success clears it. While degraded the
-    caller should hold the ceiling by admission alone, with its software margin.
+    caller should hold the ceiling by admission alone, with its software margin. The pacing,
+    timeout and backoff are `PacedActuator`'s (powerbatch.telemetry.actuator).
     """
 
+    error = PowerLimitError
+    timeout_error = LimiterTimeout
+    control = "power limit control"
+
     def __init__(
-        self,
-        limiter: PowerLimiter,
-        *,
-        dead_band_w: float = 10.0,
-        min_interval_s: float = 2.0,
-        timeout_s: float = 2.0,
-        backoff_initial_s: float = 1.0,
-        backoff_max_s: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
+        self, limiter: PowerLimiter, *, dead_band_w: float = 10.0, **pacing: Unpack[Pacing]
     ) -> None:
-        if dead_band_w < 0 or min_interval_s < 0 or timeout_s <= 0:
-            raise ValueError("dead_band_w and min_interval_s must be >= 0, timeout_s > 0")
-        self.limiter = limiter
+        if dead_band_w < 0:
+            raise ValueError("dead_band_w must be >= 0")
+        super().__init__(limiter, **pacing)
         self.dead_band_w = dead_band_w
-        self.min_interval_s = min_interval_s
-        self.timeout_s = timeout_s
-        self.backoff = Backoff(backoff_initial_s, backoff_max_s)
-        self._clock = clock
         self.in_force_w: float | None = None
         self.requested_w: float | None = None
-        self.degraded = False
-        self.degraded_reason: str | None = None
-        self.changes_total = 0
-        self.failures_total = 0
-        self.last_change_s: float | None = None
-        self._started = False
+
+    @property
+    def limiter(self) -> PowerLimiter:
+        return self.device
 
     @classmethod
     def from_settings(cls, limiter: PowerLimiter, settings: LimiterSettings) -> LimitActuator:
@@ -563,10 +553,9 @@ class LimitActuator:
 
     def decide(self, requested_w: float, now_s: float) -> str:
         """What `apply` would do now: apply, dead_band, too_soon, backoff or inactive. Pure."""
-        if not self.limiter.controls_device:
-            return "inactive"
-        if self.degraded or not self._started:
-            return "apply" if self.backoff.ready(now_s) else "backoff"
+        gate = self._gate(now_s)
+        if gate is not None:
+            return gate
         if self.in_force_w is None:
             return "apply"
         delta_w = self._target_w(requested_w) - self.in_force_w
@@ -574,27 +563,13 @@ class LimitActuator:
             return "dead_band"
         if delta_w < 0:
             return "apply"
-        if self.last_change_s is not None and now_s - self.last_change_s < self.min_interval_s:
-            return "too_soon"
-        return "apply"
+        return self._paced(now_s)
 
     def _target_w(self, requested_w: float) -> float:
         bounds = self.bounds_w()
         if bounds is None:
             return requested_w
         return min(max(requested_w, bounds[0]), bounds[1])
-
-    async def start(self) -> bool:
-        """Start the limiter (crash recovery first); False and degraded if it could not."""
-        if self._started:
-            return True
-        try:
-            await asyncio.wait_for(self.limiter.start(), self.timeout_s)
-        except (PowerLimitError, TimeoutError) as exc:
-            self._fail(exc, self._clock(), "start")
-            return False
-        self._started = True
-        return True
 
     async def apply(self, requested_w: float) -> float | None:
         """Apply `requested_w` if the rules allow; the total in force after (None if unknown)."""
@@ -607,41 +582,19 @@ class LimitActuator:
         if not self._started and not await self.start():
             return None
         target_w = self._target_w(requested_w)
+        what = f"set {target_w:.0f} W"
         try:
-            in_force_w = await asyncio.wait_for(self.limiter.set_total_w(target_w), self.timeout_s)
-        except (PowerLimitError, TimeoutError) as exc:
-            self._fail(exc, now_s, f"set {target_w:.0f} W")
+            in_force_w = await self._timed(self.limiter.set_total_w(target_w), what)
+        except PowerLimitError as exc:
+            self.in_force_w = None  # a half-applied change: what is in force is unknown
+            self._fail(exc, now_s, what)
             return None
-        if self.degraded:
-            _log.info("%s: power limit control recovered", self.limiter.name)
-        self.degraded, self.degraded_reason = False, None
-        self.backoff.succeeded()
+        self._succeeded(now_s)
         self.in_force_w = in_force_w
-        self.last_change_s = now_s
-        self.changes_total += 1
         return in_force_w
 
-    def _fail(self, exc: BaseException, now_s: float, what: str) -> None:
-        if isinstance(exc, TimeoutError) and not isinstance(exc, PowerLimitError):
-            exc = LimiterTimeout(f"{what}: no answer within {self.timeout_s:g} s")
-        reason = f"{type(exc).__name__}: {exc}"
-        self.failures_total += 1
+    def _restored(self) -> None:
         self.in_force_w = None
-        wait_s = self.backoff.failed(now_s)
-        _log.warning(
-            "%s: %s failed, power limit control degraded (retry in %.0f s): %s",
-            self.limiter.name,
-            what,
-            wait_s,
-            reason,
-        )
-        self.degraded, self.degraded_reason = True, reason
-
-    async def restore(self) -> None:
-        """Restore the default (raises PowerLimitError if that fails: the caller must know)."""
-        if self._started:
-            await asyncio.wait_for(self.limiter.restore(), self.timeout_s)
-            self.in_force_w = None
 
     def status(self) -> dict[str, Any]:
         """For /status and metrics."""
@@ -649,8 +602,5 @@ class LimitActuator:
             "limiter": self.limiter.name,
             "requested_w": self.requested_w,
             "in_force_w": self.in_force_w,
-            "degraded": self.degraded,
-            "degraded_reason": self.degraded_reason,
-            "changes_total": self.changes_total,
-            "failures_total": self.failures_total,
+            **self._status(),
         }
