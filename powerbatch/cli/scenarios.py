@@ -30,6 +30,7 @@ from powerbatch.cli.extras import require_cli_extra
 from powerbatch.cli.process import Child
 from powerbatch.cli.report import RunData, plot_runs, summarize
 from powerbatch.cli.stack import Stack
+from powerbatch.jsonsafe import json_safe
 from powerbatch.load import run_load
 from powerbatch.load.drawn import DrawnLoad, draw_load
 from powerbatch.sim.plants import Plant, draw_plant
@@ -185,6 +186,9 @@ async def run_arm(arm: str, sc: Scenario, a: argparse.Namespace, log_dir: Path) 
         t0 = time.monotonic()
         results = await run_load(stack.entry_url, plan, drain_timeout_s=a.drain_timeout_s)
         trace, history = await run_traces(stack, t0)
+    # Beside plant.json, so that a bad case can be read tick by tick without a rerun.
+    traces = {"t0": t0, "sim": trace, "control": history}
+    (log_dir / arm / "traces.json").write_text(json.dumps(json_safe(traces)))
     run = RunData(
         arm, sc.plant.ceiling_w, sc.load.profile, t0, a.duration_s, results, trace, history
     )
