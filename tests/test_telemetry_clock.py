@@ -38,6 +38,7 @@ from powerbatch.telemetry.clock import (
     grid_mhz,
     snap_lock,
 )
+from powerbatch.telemetry.limiter import ZeusdLimiter
 from powerbatch.telemetry.zeusd import ZeusdClient
 
 SUPPORTED = grid_mhz(345, 1980, 15)
@@ -114,6 +115,39 @@ def test_a_crashed_run_leaves_a_state_file_and_the_next_start_resets_first(
     assert locked[:2] == [(345, 1005)] * 2
     assert record["backend"] == "zeusd" and record["gpu_ids"] == [0, 1]
     assert after == [None] * 4 and recovered and not exists
+
+
+def test_a_corrupt_state_file_still_resets_the_clocks(tmp_path: Path) -> None:
+    """A reset needs nothing from the record (unlike a limit's restore, which needs the limits
+    in force before): a corrupt one is reset anyway, never left locked."""
+
+    async def body(server: SimServer) -> list[Any]:
+        crashed = zeusd_clock(server, tmp_path)
+        await crashed.start()
+        await crashed.lock(345, 1005)
+        await crashed.close()
+        crashed.state_file.path.write_text("{not json")
+        fresh = zeusd_clock(server, tmp_path)
+        await fresh.start()
+        after = server.engine.gpu_locked_clocks_mhz
+        await fresh.close()
+        return [after, fresh.recovered, fresh.state_file.exists()]
+
+    after, recovered, exists = with_sim(body)
+    assert after == [None] * 4 and recovered and not exists
+
+
+def test_clock_gpu_ids_are_checked_and_named_as_the_limiters(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="duplicates"):
+        NvmlClock((0, 0), state_dir=tmp_path)
+    with pytest.raises(ValueError, match="at least one"):
+        NvmlClock((), state_dir=tmp_path)
+    clock = ZeusdClock(
+        ZeusdClient("http://127.0.0.1:4938"), (0, 2), supported=_supported, state_dir=tmp_path
+    )
+    limiter = ZeusdLimiter("http://127.0.0.1:4938", (0, 2), state_dir=tmp_path)
+    assert clock.state_file.path.name == "clocks-zeusd_127.0.0.1_4938-0_2.json"
+    assert limiter.state_file.path.name == "limits-zeusd_127.0.0.1_4938-0_2.json"
 
 
 class FlakyClock(NoClock):

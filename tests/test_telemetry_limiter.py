@@ -43,10 +43,10 @@ from powerbatch.telemetry.limiter import (
     NvmlLimiter,
     PowerLimiter,
     ZeusdLimiter,
-    default_state_dir,
     split_total_w,
 )
 from powerbatch.telemetry.settings import LimiterSettings
+from powerbatch.telemetry.state import default_state_dir
 from powerbatch.telemetry.zeusd import ZeusdPowerSource
 
 # ---- a fake zeusd ---------------------------------------------------------------------------

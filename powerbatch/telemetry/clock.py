@@ -46,8 +46,8 @@ from typing import Any, Protocol, Unpack, runtime_checkable
 from powerbatch.errors import ClockError, ConfigError, TelemetryError
 from powerbatch.telemetry.actuator import PacedActuator, Pacing
 from powerbatch.telemetry.gpu_ids import GpuId
-from powerbatch.telemetry.limiter import LimitStateFile, default_state_dir
 from powerbatch.telemetry.nvml import NvmlClockLocker
+from powerbatch.telemetry.state import DeviceState
 from powerbatch.telemetry.zeusd import PciLookup, ZeusdClient, ZeusdRequestError, resolve_gpu_ids
 
 __all__ = [
@@ -130,14 +130,8 @@ class _DeviceClock:
     def __init__(
         self, gpu_ids: Sequence[GpuId], *, tag: str, state_dir: str | Path | None = None
     ) -> None:
-        if not gpu_ids:
-            raise ValueError("gpu_ids must name at least one GPU")
-        self.gpu_ids: tuple[GpuId, ...] = tuple(gpu_ids)
-        self.name = f"{tag}:{','.join(map(str, self.gpu_ids))}"
-        directory = Path(state_dir) if state_dir is not None else default_state_dir()
-        gpus = "_".join(map(str, self.gpu_ids))
-        safe = "".join(c if c.isalnum() or c == "." else "_" for c in tag).strip("_")
-        self.state_file = LimitStateFile(directory / f"clocks-{safe}-{gpus}.json")
+        state = DeviceState(gpu_ids, kind="clocks", tag=tag, state_dir=state_dir, error=ClockError)
+        self.gpu_ids, self.name, self.state_file = state.gpu_ids, state.name, state.file
         self.recovered = False
         self.changes_total = 0
         self._supported: list[int] | None = None
@@ -161,7 +155,7 @@ class _DeviceClock:
         """Reach the devices; if a previous process left the clocks locked, reset them first."""
         try:
             record = self.state_file.read()
-        except Exception as exc:  # corrupt: reset anyway, it is what the record would ask
+        except ClockError as exc:  # corrupt: reset anyway, it is what the record would ask
             _log.warning("%s: %s; resetting the clocks", self.name, exc)
             record = {"pid": "?"}
         supported = await self._open()
@@ -189,22 +183,15 @@ class _DeviceClock:
         if min_mhz not in supported or max_mhz not in supported or min_mhz > max_mhz:
             raise ClockError(f"{self.name}: {min_mhz}-{max_mhz} MHz is not a supported lock")
         if not self.state_file.exists():
-            try:
-                self.state_file.write(
-                    {
-                        "backend": self.backend,
-                        "clock": self.name,
-                        "gpu_ids": list(self.gpu_ids),
-                        "pid": os.getpid(),
-                        "written_unix_s": time.time(),
-                    }
-                )
-            except Exception as exc:
-                raise ClockError(
-                    f"cannot write the clock state file {self.state_file.path} ({exc}); refusing "
-                    "to lock the clocks without a way to reset them after a crash "
-                    "(set limit_state_dir)"
-                ) from exc
+            self.state_file.write(
+                {
+                    "backend": self.backend,
+                    "clock": self.name,
+                    "gpu_ids": list(self.gpu_ids),
+                    "pid": os.getpid(),
+                    "written_unix_s": time.time(),
+                }
+            )
         self.changes_total += 1
         await self._lock(min_mhz, max_mhz)
 

@@ -33,12 +33,9 @@ through zeusd leaves it at the max: still a limit the device accepts, never a lo
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
-import re
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -57,17 +54,16 @@ from powerbatch.telemetry.actuator import PacedActuator, Pacing
 from powerbatch.telemetry.gpu_ids import GpuId
 from powerbatch.telemetry.nvml import NvmlPowerLimiter
 from powerbatch.telemetry.settings import LimiterSettings
+from powerbatch.telemetry.state import DeviceState
 from powerbatch.telemetry.zeusd import PciLookup, ZeusdClient, ZeusdRequestError, resolve_gpu_ids
 
 __all__ = [
     "LimitActuator",
-    "LimitStateFile",
     "NoLimiter",
     "NvmlLimiter",
     "PowerLimiter",
     "ZeusdLimiter",
     "clamp_w",
-    "default_state_dir",
     "split_total_w",
 ]
 
@@ -114,68 +110,6 @@ def split_total_w(total_w: float, constraints_w: Sequence[tuple[float, float]]) 
     return clamp_w([total_w / len(constraints_w)] * len(constraints_w), constraints_w)
 
 
-def default_state_dir() -> Path:
-    """$XDG_RUNTIME_DIR/powerbatch (per user, cleared at logout or reboot, as limits are at driver
-    reload), else /tmp/powerbatch-<uid>."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        return Path(runtime) / "powerbatch"
-    return Path(tempfile.gettempdir()) / f"powerbatch-{os.getuid()}"
-
-
-class LimitStateFile:
-    """The crash-recovery record: present exactly while a limit powerbatch set may be in force."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def exists(self) -> bool:
-        return self.path.exists()
-
-    def read(self) -> dict[str, Any] | None:
-        """The record, None if there is none; PowerLimitError if it cannot be trusted."""
-        try:
-            text = self.path.read_text()
-        except (FileNotFoundError, NotADirectoryError):  # nothing there, or nothing could be
-            return None
-        except OSError as exc:
-            raise PowerLimitError(f"cannot read the limit state file {self.path}: {exc}") from exc
-        try:
-            record = json.loads(text)
-        except ValueError as exc:
-            raise PowerLimitError(
-                f"the limit state file {self.path} is corrupt ({exc}); check the GPUs' power "
-                "limits (nvidia-smi -q -d POWER), restore them, then delete the file"
-            ) from exc
-        if not isinstance(record, dict):
-            raise PowerLimitError(f"the limit state file {self.path} is not a JSON object")
-        return record
-
-    def write(self, record: dict[str, Any]) -> None:
-        """Atomically (rename), owner-only; a limit is never changed without this record."""
-        try:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            tmp = self.path.with_name(self.path.name + f".{os.getpid()}.tmp")
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-                json.dump(record, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except OSError as exc:
-            raise PowerLimitError(
-                f"cannot write the limit state file {self.path} ({exc}); refusing to change the "
-                "limit without a way to restore it after a crash (set limit_state_dir)"
-            ) from exc
-
-    def remove(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-
-
-def _tag(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9.]+", "_", text).strip("_")
-
-
 class _DeviceLimiter:
     """Split, clamp, read back, count, and the state file; backends supply four device calls."""
 
@@ -185,17 +119,16 @@ class _DeviceLimiter:
     def __init__(
         self, gpu_ids: Sequence[GpuId], *, tag: str, state_dir: str | Path | None = None
     ) -> None:
-        if not gpu_ids:
-            raise ValueError("gpu_ids must name at least one GPU")
-        if len(set(gpu_ids)) != len(gpu_ids):
-            raise ValueError(f"gpu_ids has duplicates: {list(gpu_ids)}")
-        self.gpu_ids: tuple[GpuId, ...] = tuple(
-            i if isinstance(i, str) else int(i) for i in gpu_ids
+        state = DeviceState(
+            gpu_ids,
+            kind="limits",
+            tag=tag,
+            state_dir=state_dir,
+            error=PowerLimitError,
+            corrupt_hint="; check the GPUs' power limits (nvidia-smi -q -d POWER), restore them, "
+            "then delete the file",
         )
-        self.name = f"{tag}:{','.join(map(str, self.gpu_ids))}"
-        directory = Path(state_dir) if state_dir is not None else default_state_dir()
-        gpus = "_".join(map(str, self.gpu_ids))
-        self.state_file = LimitStateFile(directory / f"limits-{_tag(tag)}-{gpus}.json")
+        self.gpu_ids, self.name, self.state_file = state.gpu_ids, state.name, state.file
         self.changes_total = 0
         self.recovered = False
         """True when `start()` found a record left by a process that died and restored."""
