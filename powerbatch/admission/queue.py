@@ -85,7 +85,6 @@ class QueueStats:
     admitted_total: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PRIORITIES, 0))
     rejected_total: dict[tuple[str, str], int] = field(default_factory=dict)
     prefill_tokens_admitted_total: int = 0
-    queue_wait_s_total: float = 0.0
 
 
 class AdmissionQueue:
@@ -342,7 +341,6 @@ class AdmissionQueue:
             self._queues[w.lane].popleft()
             w.gone = True
             self._live[w.priority] -= 1
-            self.stats.queue_wait_s_total += now - w.t_enqueued_s
             slot = self._grant(
                 w.priority, w.kv_tokens, w.prefill_tokens, now, w.t_enqueued_s, w.requests
             )

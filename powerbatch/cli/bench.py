@@ -39,7 +39,6 @@ ARMS = ("none", "hwcap", "static", "admission", "powerbatch")  # the default com
 # (docs/clock.md) are the cap plus the best static locked clock found by sweep, and powerbatch
 # with the device limit and the SM clock.
 EXTRA_ARMS = ("hwcap-hop", "hwcap-lock", "powerbatch-clock")
-CLOCK_ARMS = ("hwcap-lock", "powerbatch-clock")
 PROXIED = ("admission", "powerbatch", "hwcap-hop", "powerbatch-clock", *SHAPE_ARMS)
 LIMITED = ("powerbatch", "powerbatch-clock")
 SWEEP_MHZ = (1980, 1635, 1290, 1125, 960, 780)

@@ -51,11 +51,6 @@ class Sample:
     prompt_tokens: int
     output_tokens: int
 
-    @property
-    def prompt_text(self) -> str:
-        """The history flattened, for /v1/completions."""
-        return "\n".join(m["content"] for m in self.messages)
-
 
 def approx_tokens(text: str) -> int:
     return max(1, len(text) // CHARS_PER_TOKEN)

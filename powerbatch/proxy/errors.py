@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 from aiohttp import web
 
 _TYPES = {
@@ -49,8 +47,3 @@ def json_error(body: object, status: int, retry_after_s: int | None = None) -> w
     """An error body as the JSON answer, with Retry-After where the client should wait."""
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
     return web.json_response(body, status=status, headers=headers)
-
-
-def sse_error_event(status: int, message: str, code: str | None = None) -> bytes:
-    """An error sent inside a stream already under way, as vLLM does: a data event."""
-    return b"data: " + json.dumps(error_body(status, message, code=code)).encode() + b"\n\n"

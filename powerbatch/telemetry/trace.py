@@ -148,7 +148,6 @@ class TraceWriter:
         self.max_bytes = max_bytes
         self.keep = keep
         self.flush_every_s = flush_every_s
-        self.rows_written = 0
         self._clock = clock
         self._handle: IO[str] | None = None
         self._writer: csv.DictWriter[str] | None = None
@@ -180,7 +179,6 @@ class TraceWriter:
         if self._handle is None or self._writer is None:
             return  # closed
         self._writer.writerow(_cells(row))
-        self.rows_written += 1
         now = self._clock()
         if now - self._flushed_at >= self.flush_every_s:
             self._handle.flush()
