@@ -25,6 +25,7 @@ from powerbatch.fleet.member import FleetMember, MemberSignals
 BUDGET_W = 1000.0
 TTL_S = 1.5
 PERIOD_S = 0.5
+COLD_WANT_MAX_W = 100.0  # the fakes' cold members want this or less; the hot one, more: it is needy
 
 # -- water-filling, pure ------------------------------------------------------------------------
 
@@ -107,7 +108,11 @@ class Fleet:
             w = self.want[mid]
             drawn = min(w, self.members[mid].usable_w())  # a server held to its share
             return MemberSignals(
-                power_w=drawn, in_flight=int(w > 0), value_per_w=1.0 * (w > 0), want_w=w
+                power_w=drawn,
+                in_flight=int(w > 0),
+                value_per_w=1.0 * (w > 0),
+                want_w=w,
+                needy=w > COLD_WANT_MAX_W,  # the hot member: work waits on it
             )
 
         return FleetMember(self.settings, mid, signals=signals)
@@ -278,8 +283,9 @@ def test_watts_a_member_still_draws_after_its_cut_are_not_given_away(
             return lambda: MemberSignals(
                 power_w=drawn[mid],
                 in_flight=1,
-                value_per_w=1.0 if want[mid] > 100 else 0.0,
+                value_per_w=1.0 if want[mid] > COLD_WANT_MAX_W else 0.0,
                 want_w=want[mid],
+                needy=want[mid] > COLD_WANT_MAX_W,
             )
 
         a, b = (FleetMember(settings, m, signals=signals(m)) for m in ("a", "b"))
@@ -328,7 +334,7 @@ def test_a_member_is_never_given_less_than_its_floor(
         hot = FleetMember(
             settings,
             "hot",
-            signals=lambda: MemberSignals(in_flight=8, value_per_w=1.0, want_w=900.0),
+            signals=lambda: MemberSignals(in_flight=8, value_per_w=1.0, want_w=900.0, needy=True),
         )
         cold = FleetMember(
             settings,
@@ -530,3 +536,31 @@ def test_watts_nobody_needs_go_to_the_needy_first_and_minima_are_kept() -> None:
     )
     assert mixed["big"] == pytest.approx(800.0)  # its minimum, above the 500 W split
     assert mixed["s1"] == pytest.approx(350.0) and sum(mixed.values()) == pytest.approx(1500.0)
+
+
+def test_with_nobody_needy_the_targets_are_the_static_split_within_bounds() -> None:
+    """No member has work waiting: moving watts buys nothing, so each gets budget / N whatever
+    its want (a want over the split would otherwise take the others' watts), within its
+    bounds: a minimum above the split takes it, a maximum under it leaves its watts to the
+    rest, and minima over the budget are scaled down together."""
+    calm = {
+        "drawing": Bid(0.05, 800.0, 200.0, 900.0),  # wants more than a quarter
+        "light": Bid(0.01, 230.0, 200.0, 900.0),
+        "idle": Bid(0.0, 0.0, 200.0, 900.0),
+        "held": Bid(0.02, 340.0, 200.0, 900.0),  # held, inside its SLOs: giving
+    }
+    assert allocate(calm, 1600.0) == pytest.approx({k: 400.0 for k in calm})
+    bounded = {
+        "big": Bid(0.1, 1000.0, 800.0, 2800.0),  # a 4-GPU set's lowest limit
+        "small": Bid(0.1, 300.0, 100.0, 250.0),  # its highest limit, under the split
+        "a": Bid(0.1, 300.0, 100.0, 700.0),
+        "b": Bid(0.1, 300.0, 100.0, 700.0),
+    }
+    shares = allocate(bounded, 2000.0)
+    assert shares["big"] == pytest.approx(800.0) and shares["small"] == pytest.approx(250.0)
+    assert shares["a"] == pytest.approx(475.0) and shares["b"] == pytest.approx(475.0)
+    tight = allocate({k: Bid(0.1, 900.0, 400.0, 900.0) for k in "abc"}, 1000.0)
+    assert tight == pytest.approx({k: 1000.0 / 3 for k in "abc"})
+    calm["drawing"] = Bid(0.05, 800.0, 200.0, 900.0, needy=True)  # work waits: watts move
+    moved = allocate(calm, 1600.0)
+    assert moved["drawing"] > 400.0 and sum(moved.values()) == pytest.approx(1600.0)

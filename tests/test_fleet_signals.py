@@ -42,6 +42,8 @@ def loop(
     bounds: tuple[float, float] | None = (200.0, DEVICE_MAX_W),
     max_w: float | None = None,
     ttft_p95_s: float | None = None,
+    tpot_p95_s: float | None = 0.02,  # well inside its 0.1-s SLO
+    measured: bool = True,  # False: the host has no latency window yet
 ) -> Any:
     batch = float(in_flight)
     rec = TickRecord(
@@ -58,7 +60,7 @@ def loop(
             config=SimpleNamespace(min_batch=1, max_w=max_w, ttft_slo_s=2.0, tpot_slo_s=0.1)
         ),
         features=SimpleNamespace(
-            latency=lambda t: LatencySnapshot(ttft_p95_s, 0.02, {}, 10)  # TPOT well inside
+            latency=lambda t: LatencySnapshot(ttft_p95_s, tpot_p95_s, {}, 10) if measured else None
         ),
         clock=lambda: t_s,
         predict_w=lambda f: model.predict_one(f)[0],  # ControlLoop.predict_w
@@ -103,7 +105,7 @@ def test_the_held_hot_member_gets_near_its_maximum_and_the_cold_ones_give_what_t
         loop(in_flight=40, queued=20, power_w=596.0, limit_w=594.0, model=hot_model)
     )()
     cold = LoopSignals(
-        loop(in_flight=3, queued=0, power_w=395.0, limit_w=396.0, model=cold_model)
+        loop(in_flight=3, queued=0, power_w=395.0, limit_w=396.0, model=cold_model, ttft_p95_s=0.3)
     )()
     assert not cold.needy and cold.want_w == pytest.approx(395.0 * (1 - GIVE_FRAC))
     hot_w, cold_w = 3.1, 1.07  # the member's class weights: 70 % / 10 % high class
@@ -171,3 +173,26 @@ def test_the_default_bounds_are_what_the_member_can_honour() -> None:
         loop(in_flight=0, queued=0, power_w=80.0, limit_w=None, model=model, bounds=None)
     )()
     assert share_bounds_w(settings, unknown)[1] == 1300.0  # nothing known: the budget
+
+
+@pytest.mark.parametrize(
+    ("measured", "ttft_p95_s", "tpot_p95_s"),
+    [(False, None, None), (True, None, None), (True, 0.3, None), (True, None, 0.02)],
+)
+def test_a_held_member_gives_watts_only_once_its_latency_is_measured_inside_its_slos(
+    measured: bool, ttft_p95_s: float | None, tpot_p95_s: float | None
+) -> None:
+    """Held at its 396-W limit with 3 requests and no answers timed yet (no window, or too few
+    samples for a p95): it has not shown it can spare a watt, so it wants its draw plus
+    headroom (its split, as a floor) rather than `GIVE_FRAC` less. Measured inside, it gives."""
+    model = LinearModel(380.0, 1.0)
+    kw: dict[str, Any] = {"in_flight": 3, "queued": 0, "power_w": 395.0, "limit_w": 396.0}
+    unmeasured = LoopSignals(
+        loop(**kw, model=model, measured=measured, ttft_p95_s=ttft_p95_s, tpot_p95_s=tpot_p95_s)
+    )()
+    assert not unmeasured.needy
+    assert unmeasured.want_w == pytest.approx(395.0 * (1 + HEADROOM_FRAC))
+    inside = LoopSignals(loop(**kw, model=model, ttft_p95_s=0.3, tpot_p95_s=0.02))()
+    assert not inside.needy and inside.want_w == pytest.approx(395.0 * (1 - GIVE_FRAC))
+    late = LoopSignals(loop(**kw, model=model, ttft_p95_s=None, tpot_p95_s=0.08))()
+    assert late.needy  # one p95 measured past half its SLO is enough to be at risk

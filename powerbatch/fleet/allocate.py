@@ -1,7 +1,10 @@
 """The allocator's law (docs/fleet.md, "Allocation"): a fair floor, then the surplus where a
 watt is worth most.
 
-`allocate`: every member first gets what a static split would give it, budget / N, or less
+`allocate`: while no member is needy, the targets are the static split itself (budget / N,
+clipped to each member's bounds, `static_split`): a fleet with nothing to move must cost
+nothing, and moving watts between members that all serve what they are sent buys nothing.
+Otherwise every member first gets what a static split would give it, budget / N, or less
 where it needs less (a member with no work waiting needs what it draws plus headroom); then the
 watts left, the surplus, go to the members with work waiting (`needy`), by water-filling on
 their bids; what they cannot take goes to them up to their maxima, and only then to the rest.
@@ -15,7 +18,7 @@ cuts the batch, so a grant within a dead band is kept (`hold_small_moves`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -95,7 +98,12 @@ def _need_w(bid: Bid) -> float:
     return bid.max_w if bid.needy else min(max(bid.want_w, 0.0), bid.max_w)
 
 
-def fair_floors(bids: Mapping[str, Bid], budget_w: float, iters: int = 60) -> dict[str, float]:
+def fair_floors(
+    bids: Mapping[str, Bid],
+    budget_w: float,
+    iters: int = 60,
+    need: Callable[[Bid], float] = _need_w,
+) -> dict[str, float]:
     """Each member's floor: clip(min(f, need), min, max) with f the static split budget / N,
     or the largest f under it at which the floors fit the budget (minima above f take more).
     If the minima alone exceed the budget they are scaled down together."""
@@ -105,7 +113,7 @@ def fair_floors(bids: Mapping[str, Bid], budget_w: float, iters: int = 60) -> di
         return {k: b.min_w * scale for k, b in bids.items()}
 
     def at(f: float) -> dict[str, float]:
-        return {k: min(max(min(f, _need_w(b)), b.min_w), b.max_w) for k, b in bids.items()}
+        return {k: min(max(min(f, need(b)), b.min_w), b.max_w) for k, b in bids.items()}
 
     fair = budget_w / len(bids)
     if sum(at(fair).values()) <= budget_w:
@@ -120,12 +128,21 @@ def fair_floors(bids: Mapping[str, Bid], budget_w: float, iters: int = 60) -> di
     return at(lo)
 
 
+def static_split(bids: Mapping[str, Bid], budget_w: float) -> dict[str, float]:
+    """budget / N clipped to each member's bounds: a minimum above it takes more and the others
+    shrink to fit; watts a maximum leaves are spread evenly over the rest."""
+    return _spread(fair_floors(bids, budget_w, need=lambda b: b.max_w), bids, budget_w)
+
+
 def allocate(bids: Mapping[str, Bid], budget_w: float) -> dict[str, float]:
-    """The targets (module docstring): fair floors; the surplus water-filled over the members
-    that can use more than their floor (each up to its need: its maximum if needy, else its
-    want); then what is left spread, over the needy first, then over everyone."""
+    """The targets (module docstring): the static split while no member is needy; else fair
+    floors, the surplus water-filled over the members that can use more than their floor (each
+    up to its need: its maximum if needy, else its want), then what is left spread, over the
+    needy first, then over everyone."""
     if not bids:
         return {}
+    if not any(b.needy for b in bids.values()):
+        return static_split(bids, budget_w)
     shares = fair_floors(bids, budget_w)
     hungry = {k: _need_w(b) for k, b in bids.items() if _need_w(b) > shares[k] + 1e-9}
     left = budget_w - sum(shares.values())

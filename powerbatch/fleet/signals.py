@@ -7,10 +7,13 @@
   there under-read the demand, and W is the device's highest limit;
 * needy: work waits (beyond `QUEUE_MIN` / `QUEUE_FRAC` of the batch), or its device limit
   holds it (or a little work waits) while its p95 TTFT or time per token is past `RISK_FRAC`
-  of its SLO: more watts would buy goodput. A member held by its limit yet well inside its
-  SLOs slows as a capped server does and loses nothing by slowing a little more: it wants
-  `GIVE_FRAC` less than it draws, so its share steps down while its latency allows. Any other
-  member wants what it draws (or its model's demand, if more) plus `HEADROOM_FRAC`;
+  of its SLO: more watts would buy goodput. A member held by its limit whose latency is
+  measured well inside its SLOs (both p95s known and under `RISK_FRAC`) slows as a capped
+  server does and loses nothing by slowing a little more: it wants `GIVE_FRAC` less than it
+  draws, so its share steps down while its latency allows. One whose latency is not yet
+  measured (too few answers in the window) gives nothing: it has not shown it can spare a
+  watt. Any other member wants what it draws (or its model's demand, if more) plus
+  `HEADROOM_FRAC`;
 * value_per_w = 2 D / W (the modelled goodput at W is D);
 * bounds: with a device limit, its range (the lowest limit holds any share above it, a share
   above the highest is never drawn); without, floor_w = P(shape * min_batch) (admission's
@@ -74,10 +77,11 @@ class LoopSignals:
         pinned = bool(demand > 0 and limit_w > 0 and power_w >= PINNED_FRAC * limit_w and bounds)
         queued = sum(by_class.values())
         waiting = queued > max(QUEUE_MIN, QUEUE_FRAC * rec.in_flight)
-        needy = waiting or ((pinned or queued > 0) and self._at_risk())
+        risk = self._latency_risk()
+        needy = waiting or ((pinned or queued > 0) and risk is True)
         if needy and pinned and bounds:
             want = max(want, bounds[1])  # held by the limit: it would draw more than it may
-        elif pinned:  # held by its limit, yet inside its SLOs with room: it can give some
+        elif pinned and risk is False:  # held, and measured inside its SLOs: it can give some
             want = power_w * (1.0 - GIVE_FRAC)
         elif not needy:  # all it has is served: what it draws, and room for a few more
             want = max(want, power_w) * (1.0 + HEADROOM_FRAC)
@@ -93,17 +97,21 @@ class LoopSignals:
             needy=needy,
         )
 
-    def _at_risk(self) -> bool:
-        """p95 TTFT or time per token over `RISK_FRAC` of its SLO (the host's own window)."""
+    def _latency_risk(self) -> bool | None:
+        """Whether p95 TTFT or time per token is over `RISK_FRAC` of its SLO (the host's own
+        window): True if either measured one is; False only if both are measured and inside;
+        None (not measured) where the window holds too few samples to say."""
         loop = self.loop
         snap = loop.features.latency(loop.clock())
         if snap is None:
-            return False
+            return None
         cfg = loop.controller.config
         ttft, tpot = snap.ttft_p95_s, snap.tpot_p95_s
-        return (ttft is not None and ttft > RISK_FRAC * cfg.ttft_slo_s) or (
+        if (ttft is not None and ttft > RISK_FRAC * cfg.ttft_slo_s) or (
             tpot is not None and tpot > RISK_FRAC * cfg.tpot_slo_s
-        )
+        ):
+            return True
+        return None if ttft is None or tpot is None else False
 
     def meter(self) -> Meter:
         """The loop's last power and device limit, read each tick (no model: cheap)."""
