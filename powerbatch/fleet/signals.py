@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from enum import Enum
 from typing import TYPE_CHECKING
 
 from powerbatch.estimate import Features
@@ -39,6 +40,14 @@ HEADROOM_FRAC = 0.15  # a member with nothing waiting wants this much over what 
 GIVE_FRAC = 0.15  # a member held by its limit inside its SLOs wants this much less than it draws
 RISK_FRAC = 0.5  # p95 latency over this share of its SLO: the member has no time to give
 QUEUE_MIN, QUEUE_FRAC = 2, 0.25  # work waiting beyond this many, or this share of the batch
+
+
+class Latency(Enum):
+    """A member's p95 TTFT and time per token against `RISK_FRAC` of their SLOs."""
+
+    AT_RISK = "at_risk"  # either measured p95 is over
+    INSIDE = "inside"  # both measured, both under
+    UNMEASURED = "unmeasured"  # too few answers in the window to say
 
 
 class LoopSignals:
@@ -77,11 +86,11 @@ class LoopSignals:
         pinned = bool(demand > 0 and limit_w > 0 and power_w >= PINNED_FRAC * limit_w and bounds)
         queued = sum(by_class.values())
         waiting = queued > max(QUEUE_MIN, QUEUE_FRAC * rec.in_flight)
-        risk = self._latency_risk()
-        needy = waiting or ((pinned or queued > 0) and risk is True)
+        latency = self._latency()
+        needy = waiting or ((pinned or queued > 0) and latency is Latency.AT_RISK)
         if needy and pinned and bounds:
             want = max(want, bounds[1])  # held by the limit: it would draw more than it may
-        elif pinned and risk is False:  # held, and measured inside its SLOs: it can give some
+        elif pinned and latency is Latency.INSIDE:  # held, yet measured inside: it can give
             want = power_w * (1.0 - GIVE_FRAC)
         elif not needy:  # all it has is served: what it draws, and room for a few more
             want = max(want, power_w) * (1.0 + HEADROOM_FRAC)
@@ -97,21 +106,19 @@ class LoopSignals:
             needy=needy,
         )
 
-    def _latency_risk(self) -> bool | None:
-        """Whether p95 TTFT or time per token is over `RISK_FRAC` of its SLO (the host's own
-        window): True if either measured one is; False only if both are measured and inside;
-        None (not measured) where the window holds too few samples to say."""
+    def _latency(self) -> Latency:
+        """p95 TTFT and time per token against `RISK_FRAC` of their SLOs (the host's window)."""
         loop = self.loop
         snap = loop.features.latency(loop.clock())
         if snap is None:
-            return None
+            return Latency.UNMEASURED
         cfg = loop.controller.config
         ttft, tpot = snap.ttft_p95_s, snap.tpot_p95_s
         if (ttft is not None and ttft > RISK_FRAC * cfg.ttft_slo_s) or (
             tpot is not None and tpot > RISK_FRAC * cfg.tpot_slo_s
         ):
-            return True
-        return None if ttft is None or tpot is None else False
+            return Latency.AT_RISK
+        return Latency.UNMEASURED if ttft is None or tpot is None else Latency.INSIDE
 
     def meter(self) -> Meter:
         """The loop's last power and device limit, read each tick (no model: cheap)."""
