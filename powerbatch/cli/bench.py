@@ -29,6 +29,7 @@ from powerbatch.cli.extras import require_cli_extra
 from powerbatch.cli.report import RunData, plot_runs, plot_summary, summarize
 from powerbatch.cli.shape_bench import SHAPE_ARMS
 from powerbatch.cli.stack import Stack, add_dcgm_interval_argument, add_slo_arguments
+from powerbatch.jsonsafe import json_safe
 from powerbatch.load import PROFILES, LoadProfile, run_load
 
 if TYPE_CHECKING:
@@ -231,6 +232,9 @@ async def run_arm(
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
         trace, history = await run_traces(stack, t0)
+    # Beside the arm's logs, so that a bad case can be read tick by tick without a rerun.
+    traces = {"t0": t0, "sim": trace, "control": history}
+    (log_dir / arm / "traces.json").write_text(json.dumps(json_safe(traces)))
     return RunData(arm, a.ceiling_w, profile, t0, a.duration_s, results, trace, history)
 
 

@@ -361,9 +361,18 @@ class ControlLoop:
                 features=features,
                 plan_w=obs.plan_w,
                 power_limit_w=self._limit_in_force_w(),
+                **self._clock_fields(),
             )
         )
         return d
+
+    def _clock_fields(self) -> dict[str, Any]:
+        """The clock law's choice this tick, for the record (empty without a clock law)."""
+        choice = self.sm_clock.law.last if self.sm_clock is not None else None
+        if choice is None:
+            return {}
+        top = None if choice.lock is None else float(choice.lock[1])
+        return {"clock_top_mhz": top, "clock_reason": choice.reason}
 
     def _export(
         self,

@@ -41,6 +41,8 @@ class TickRecord:
     features: Features
     plan_w: float | None = None  # the shape planner's power for this second
     power_limit_w: float | None = None  # the device limit in force (None: none, or degraded)
+    clock_top_mhz: float | None = None  # the clock law's chosen top (None: unlocked, or no law)
+    clock_reason: str | None = None  # why the clock law chose it (None: no clock law)
 
     def as_dict(self) -> dict[str, Any]:
         """Flat and strict-JSON-safe (non-finite numbers become None)."""
