@@ -191,7 +191,7 @@ def test_the_figures_are_ratios_to_the_static_split_of_the_same_seed(tmp_path: P
     assert over["fleet"]["seconds_over_budget"] == 1
     assert over["fleet-admission"]["median_goodput_over_static"] == pytest.approx((0.65 + 1.1) / 2)
     text = fleet_matrix.table([s, s2])
-    assert case.name in text and "1.25 (1.00-1.50)" in text
+    assert case.name in text and "1.25 (1.00-1.50) | 1.25 |" in text
     fleet_matrix.plot([s, s2], tmp_path / "m.png")
     assert (tmp_path / "m.png").stat().st_size > 0
 

@@ -386,10 +386,10 @@ def table(summaries: list[dict[str, Any]]) -> str:
     """The markdown table docs/fleet.md carries."""
     head = (
         "| case | budget | room: C(w_max) / C(split) | goodput / static, limiter "
-        "| … admission alone | s over budget "
+        "| … median of repeats | … admission alone | s over budget "
         "(lim / adm) | power while queued / budget (static / lim / adm) | watts to hot spot, "
         "median s (lim / adm) | fixed-ceiling proxies / static |\n"
-        "|---|---|---|---|---|---|---|---|---|\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for s in summaries:
@@ -408,6 +408,10 @@ def table(summaries: list[dict[str, Any]]) -> str:
             v = f.get("median_seconds_to_move_watts")
             return "—" if v is None else f"{v:.1f}"
 
+        def med(f: dict[str, Any]) -> str:
+            xs = f.get("goodput_over_static", [])
+            return f"{statistics.median(xs):.2f}" if xs else "—"
+
         over = f"{sum(lim.get('seconds_over_budget', []))} / "
         over += f"{sum(adm.get('seconds_over_budget', []))}" if adm else "—"
         adm_ratio = _fmt_ratio(adm.get("goodput_over_static", []))
@@ -419,7 +423,7 @@ def table(summaries: list[dict[str, Any]]) -> str:
         room = c.get("room")
         rows.append(
             f"| {c['name']} | {c['budget_w']:.0f} W | "
-            f"{'—' if room is None else f'{room:.2f}x'} | {lim_ratio} | "
+            f"{'—' if room is None else f'{room:.2f}x'} | {lim_ratio} | {med(lim)} | "
             f"{adm_ratio} | {over} | "
             f"{pq(cap)} / {pq(lim)} / {pq(adm)} | {mv(lim)} / {mv(adm)} | "
             f"{_fmt_ratio(s.get('static', {}).get('goodput_over_static', []))} |"
