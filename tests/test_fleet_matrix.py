@@ -4,6 +4,7 @@ and one short static-split run of a case through fleet-bench's own runner."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 
 from powerbatch.cli import fleet_bench, fleet_matrix
 from powerbatch.cli.main import build_parser
+from powerbatch.sim import capacity
 
 
 def matrix_args(*extra: str) -> Any:
@@ -58,15 +60,105 @@ def test_the_loads_are_what_each_case_says() -> None:
             for i in range(case.members)
         ]
         assert len({tuple(s) for s in starts}) > 1
-    total = sum(
-        fleet_matrix.sustain_rps(p, fleet_matrix.output_median(moving, moving.plants()))
-        * moving.peak_over_sustain
-        for p in moving.plants()
-    )
+    total = sum(m.hot_rps for m in moving.sizing())
     for case in fleet_matrix.reduced_cases():  # every plan ends (phase boundaries add up)
         ns = fleet_matrix.case_args(a, case)
         assert all(ns.plan_for(i, ns, 1) for i in range(case.members))
     assert total <= fleet_matrix.MAX_FLEET_RPS * 1.01  # answers lengthened to fit
+
+
+@pytest.mark.parametrize("cases", [fleet_matrix.reduced_cases(), fleet_matrix.full_cases(1)])
+def test_each_peak_lies_inside_what_the_member_serves_at_its_split_and_at_its_max(
+    cases: list[Any],
+) -> None:
+    for c in cases:
+        plants = c.plants()
+        out = fleet_matrix.output_median(c, plants)
+        prompt, output = fleet_matrix._means(out)
+        sized = fleet_matrix.sizing(c, plants, out)
+        budget = c.budget_w()
+        for i, (p, m) in enumerate(zip(plants, sized, strict=True)):
+            assert m.at_split_rps == pytest.approx(
+                capacity.capped_rps(p, p.ceiling_w, prompt, output)
+            )
+            assert m.at_split_rps > 0
+            if c.load == "even":  # nothing to move: at or under what the split serves
+                assert m.peak_rps == m.hot_rps == m.cold_rps <= m.at_split_rps
+                continue
+            assert p.ceiling_w <= m.max_share_w <= p.profile.tdp_w
+            assert m.at_max_rps == pytest.approx(
+                capacity.capped_rps(p, m.max_share_w, prompt, output)
+            )
+            assert m.at_split_rps <= m.peak_rps <= m.at_max_rps + 1e-9
+            assert m.peak_rps == pytest.approx(
+                m.at_split_rps + c.hot_position * (m.at_max_rps - m.at_split_rps)
+            )
+            assert m.cold_rps == pytest.approx(m.hot_rps / c.hot_over_cold)
+            # w_max leaves the others what their cold rates need (at the sizing's fixed point)
+            others = sum(
+                capacity.need_w(q, s.cold_rps, prompt, output)
+                for j, (q, s) in enumerate(zip(plants, sized, strict=True))
+                if j != i
+            )
+            if m.max_share_w > p.ceiling_w:
+                assert m.max_share_w + others <= budget * 1.01
+        # a peak is what its load reaches
+        ns_hot = max(range(c.members), key=lambda i: sized[i].hot_rps)
+        span_s = c.members * c.period_s * 2  # every member's turn at a moving hot spot
+        phases = fleet_matrix.member_phases(c, ns_hot, sized[ns_hot].hot_rps, 1, span_s)
+        rates = [ph.rate_rps for ph in phases]
+        assert max(rates) == pytest.approx(sized[ns_hot].peak_rps, rel=1e-6)
+        assert sum(m.hot_rps for m in sized) <= fleet_matrix.MAX_FLEET_RPS * 1.01 or out >= 1000
+
+
+def test_capacity_rises_with_the_limit_and_need_w_inverts_it() -> None:
+    for kind, prof in fleet_matrix.KINDS.items():
+        plant = fleet_matrix.Case("x", (kind,), ("instant",), 1.0, "even", 30.0, 1.0, 0.8).plants()[
+            0
+        ]
+        prompt, output = fleet_matrix._means(250.0)
+        lo = prof.min_limit_w_per_gpu * prof.num_gpus
+        limits = np.linspace(lo, prof.tdp_w, 12)
+        caps = [capacity.capped_rps(plant, float(w), prompt, output) for w in limits]
+        assert all(b >= a for a, b in itertools.pairwise(caps)), kind
+        assert caps[-1] > caps[0] > 0, kind  # the limit matters
+        for rate in (caps[2], (caps[4] + caps[8]) / 2):
+            w = capacity.need_w(plant, rate, prompt, output)
+            assert capacity.capped_rps(plant, w, prompt, output) >= rate
+            assert capacity.capped_rps(plant, w - 2 * capacity.NEED_RESOLUTION_W, prompt,
+                                       output) < rate  # fmt: skip
+        assert capacity.need_w(plant, caps[-1] * 2, prompt, output) == prof.tdp_w
+
+
+def test_the_even_case_sends_no_more_than_the_split_serves() -> None:
+    a = matrix_args("--duration-s", "60")
+    for even in [c for c in fleet_matrix.reduced_cases() + fleet_matrix.full_cases(1)
+                 if c.load == "even"]:  # fmt: skip
+        ns = fleet_matrix.case_args(a, even)
+        sized = even.sizing()
+        for i, m in enumerate(sized):
+            sent = len(ns.plan_for(i, ns, 1)) / a.duration_s
+            assert sent <= m.at_split_rps
+            assert sent == pytest.approx(m.hot_rps, rel=0.2)
+        assert not even.nothing_to_win()
+
+
+def test_a_case_with_no_room_reports_nothing_to_win() -> None:
+    # each member's split is its TDP: no share can be raised
+    flat = fleet_matrix.Case("flat", ("h100-8b",) * 2, ("instant",) * 2, 1.0, "moving", 10.0,
+                             4.0, 0.5)  # fmt: skip
+    assert flat.room() == pytest.approx(1.0) and flat.nothing_to_win()
+    roomy = fleet_matrix.reduced_cases()[0]
+    assert roomy.room() > 1.3 and not roomy.nothing_to_win()
+    s_flat = fleet_matrix.case_summary(flat, {"hwcap": [_run(4.0, 0, 0.8, [])],
+                                              "fleet": [_run(3.0, 0, 0.9, [])]})  # fmt: skip
+    s_roomy = fleet_matrix.case_summary(roomy, {"hwcap": [_run(4.0, 0, 0.8, [])],
+                                                "fleet": [_run(5.0, 0, 0.9, [])]})  # fmt: skip
+    over = fleet_matrix.overall([s_flat, s_roomy])["fleet"]
+    assert over["worst_goodput_over_static"] == pytest.approx(1.25)  # flat's 0.75 not counted
+    assert over["nothing_to_win"] == ["flat"]
+    text = fleet_matrix.table([s_flat, s_roomy])
+    assert "nothing to win (0.75)" in text and "1.00x" in text
 
 
 def _run(goodput: float, over: int, pq: float | None, moves: list[float]) -> dict[str, Any]:
@@ -99,7 +191,7 @@ def test_the_figures_are_ratios_to_the_static_split_of_the_same_seed(tmp_path: P
     assert over["fleet"]["seconds_over_budget"] == 1
     assert over["fleet-admission"]["median_goodput_over_static"] == pytest.approx((0.65 + 1.1) / 2)
     text = fleet_matrix.table([s, s2])
-    assert case.name in text and "1.25 (1.00-1.50)" in text
+    assert case.name in text and "1.25 (1.00-1.50) | 1.25 |" in text
     fleet_matrix.plot([s, s2], tmp_path / "m.png")
     assert (tmp_path / "m.png").stat().st_size > 0
 

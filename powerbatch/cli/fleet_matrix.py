@@ -6,9 +6,16 @@ the members' summed TDP) and a load: a hot spot that moves every 5-60 s at 2-10x
 rate, diurnal days out of phase, uncorrelated bursts, or even load. Every case runs three arms
 on the same seeds, repeat by repeat: `hwcap` (no proxy, each GPU set capped at budget / N: the
 static split), `fleet` (leases, each proxy also sets its GPU's limit) and `fleet-admission`
-(leases, admission alone). Rates are set against what each member sustains at its split
-(`Plant.sustain_rps`), so power binds on every kind of member; answers are lengthened where the
-fleet's peak would pass what two CPU cores can drive (`MAX_FLEET_RPS`).
+(leases, admission alone). Rates are sized by each member's capped capacity C(w)
+(`powerbatch.sim.capacity`: what it serves with its device limit at w within the TPOT SLO):
+a fleet can win only on a hot rate between C(split) (the static split serves anything under it)
+and C(w_max), w_max the most the budget can give the hot member (its TDP, or the budget less
+the lowest limits that serve the cold members' rates); so each member's peak rate is placed at
+`Case.hot_position` inside [C(split), C(w_max)], its cold rate the hot over `hot_over_cold`,
+and the even case at `hot_position` x C(split) (nothing to move: it must cost nothing). A case
+whose widest interval is under `NOTHING_TO_WIN` (C(w_max) / C(split)) is reported as "nothing to
+win" and left out of the matrix's median and worst case. Answers are lengthened where the
+fleet's summed hot rates would pass what two CPU cores can drive (`MAX_FLEET_RPS`).
 
 Per case: goodput over the static split's (per repeat), seconds over the budget, mean summed
 power while any member has work waiting over the budget, and the median time for watts to
@@ -32,6 +39,7 @@ import numpy as np
 from powerbatch.cli import fleet_bench
 from powerbatch.load.drawn import DIURNAL_SHAPE
 from powerbatch.load.profile import LoadProfile, Phase, PlannedRequest
+from powerbatch.sim.capacity import capped_rps, need_w
 from powerbatch.sim.gpu_model import (
     DEFAULT_KV_CAPACITY_TOKENS,
     PROFILES,
@@ -47,6 +55,10 @@ SETTLE_S = 6.0  # every arm waits this long before its load: past the proxies' 5
 MAX_FLEET_RPS = 36.0  # the whole fleet's peak arrivals: above it the load client binds
 PROMPT_MEDIAN, PROMPT_SIGMA, OUTPUT_SIGMA = 600.0, 0.8, 0.6  # LoadProfile's defaults
 MIX = {"high": 0.3, "normal": 0.5, "low": 0.2}
+BURST_PEAK = 1.3  # a moving hot spot's first half over its mean (then 0.7x), as fleet-bench's
+NOTHING_TO_WIN = 1.05  # C(w_max) / C(split) under this on every member: nothing to move
+EVEN_POSITION = 0.8  # the even load at this share of C(split): served by the split, with margin
+SIZING_ITERATIONS = 6  # hot rates -> cold rates -> w_max -> hot rates, to a fixed point
 
 # An A100-like set: the 8B fit scaled to a 400-W board (A100 SXM4: TDP 400 W, NVML limit
 # constraints 100-400 W) and to its slower memory (2.0 against 3.35 TB/s: decode 1.7x slower)
@@ -85,7 +97,7 @@ class Case:
     load: str  # moving | diurnal | bursts | even
     period_s: float  # hot spot's period; a day's length; bursts' mean spacing
     hot_over_cold: float
-    peak_over_sustain: float  # hot (or peak) rate over what the member sustains at its split
+    hot_position: float  # 0..1: peak at C(split) + this x (C(w_max) - C(split)); even: x C(split)
 
     @property
     def members(self) -> int:
@@ -118,34 +130,75 @@ class Case:
         one = sum(decode_power_w(KINDS[k], 1) for k in self.kinds)
         return one <= self.budget_w()
 
+    def sizing(self) -> list[MemberSizing]:
+        """Each member's capacity interval and rates (`sizing`), at the case's answer length."""
+        plants = self.plants()
+        return sizing(self, plants, output_median(self, plants))
+
+    def room(self) -> float:
+        """The widest C(w_max) / C(split) over the members: the most a fleet can win."""
+        return max(m.room for m in self.sizing())
+
+    def nothing_to_win(self) -> bool:
+        """No member's rate can be served better by moving watts (even load is judged on its
+        own goal: it must cost nothing)."""
+        return self.load != "even" and self.room() < NOTHING_TO_WIN
+
     def to_json(self) -> dict[str, Any]:
+        plants = self.plants()
+        out = output_median(self, plants)
         return {
             **dataclasses.asdict(self),
             "budget_w": self.budget_w(),
             "admission_can_hold": self.admission_can_hold(),
+            "output_median": out,
+            "sizing": [dataclasses.asdict(m) for m in sizing(self, plants, out)],
+            "room": self.room(),
+            "nothing_to_win": self.nothing_to_win(),
         }
 
 
+@dataclass(frozen=True)
+class MemberSizing:
+    """One member's capacity interval and the rates its load reaches (requests/s, watts)."""
+
+    split_w: float  # its static-split limit (the plant's ceiling)
+    at_split_rps: float  # C(split)
+    max_share_w: float  # w_max: its TDP, or the budget less the cold members' lowest limits
+    at_max_rps: float  # C(w_max)
+    peak_rps: float  # the highest rate its load reaches
+    hot_rps: float  # the hot rate `member_phases` takes (moving: peak / BURST_PEAK)
+    cold_rps: float  # hot / hot_over_cold
+
+    @property
+    def room(self) -> float:
+        return self.at_max_rps / self.at_split_rps if self.at_split_rps > 0 else 1.0
+
+
 def reduced_cases() -> list[Case]:
-    """Six cases that between them touch every dimension but the 8-member fleet."""
+    """Six cases that between them touch every dimension but the 8-member fleet; every uneven
+    load's peak at the middle of its capacity interval (`hot_position` 0.5), the even load at
+    `EVEN_POSITION` of C(split)."""
     m1 = "mean-1s"
     return [
         Case("moving-4x8b-p10-10x-46%", ("h100-8b",) * 4, (m1,) * 4, 0.46, "moving", 10.0,
-             10.0, 1.3),
+             10.0, 0.5),
         Case("moving-2mixed-p5-4x-55%", ("h100-8b", "h100x4-70b"), ("instant", "lag-2s"),
-             0.55, "moving", 5.0, 4.0, 1.5),
+             0.55, "moving", 5.0, 4.0, 0.5),
         Case("diurnal-4mixed-65%", ("h100-8b", "a100-8b", "h100-8b", "a100-8b"),
-             (m1, "instant", "lag-2s", m1), 0.65, "diurnal", 20.0, 6.0, 1.6),
-        Case("bursts-4x8b-35%", ("h100-8b",) * 4, (m1,) * 4, 0.35, "bursts", 10.0, 6.0, 1.5),
-        Case("even-4x8b-75%", ("h100-8b",) * 4, (m1,) * 4, 0.75, "even", 30.0, 1.0, 1.3),
+             (m1, "instant", "lag-2s", m1), 0.65, "diurnal", 20.0, 6.0, 0.5),
+        Case("bursts-4x8b-35%", ("h100-8b",) * 4, (m1,) * 4, 0.35, "bursts", 10.0, 6.0, 0.5),
+        Case("even-4x8b-75%", ("h100-8b",) * 4, (m1,) * 4, 0.75, "even", 30.0, 1.0,
+             EVEN_POSITION),
         Case("moving-4x8b-p15-5x-78%", ("h100-8b",) * 4, ("instant", m1, m1, "lag-2s"), 0.78,
-             "moving", 15.0, 5.0, 1.4),
+             "moving", 15.0, 5.0, 0.5),
     ]  # fmt: skip
 
 
 def full_cases(seed: int = 1) -> list[Case]:
     """`FULL_CASES` cases over the grid (every member count, period and load at least once),
-    the rest of each drawn from `seed`, plus one even-load case."""
+    the rest of each drawn from `seed` (`hot_position` uniform in 0.1-0.9), plus one even-load
+    case."""
     rng = np.random.default_rng([seed, 23])
     loads = ("moving", "moving", "diurnal", "bursts")
     out = []
@@ -158,28 +211,57 @@ def full_cases(seed: int = 1) -> list[Case]:
         meters = tuple(str(rng.choice(list(METERS))) for _ in range(n))
         frac = float(rng.uniform(0.35, 0.80))
         ratio = float(rng.uniform(2.0, 10.0))
-        peak = float(rng.uniform(1.2, 2.0))
+        position = float(rng.uniform(0.1, 0.9))
         name = f"{load}-{n}{'mixed' if mixed else 'x8b'}-p{period:.0f}-{ratio:.0f}x-{frac:.0%}"
-        out.append(Case(name, kinds, meters, frac, load, period, ratio, peak))
+        out.append(Case(name, kinds, meters, frac, load, period, ratio, position))
     out.append(Case("even-4x8b-60%", ("h100-8b",) * 4, ("mean-1s",) * 4, 0.6, "even", 30.0,
-                    1.0, 1.3))  # fmt: skip
+                    1.0, EVEN_POSITION))  # fmt: skip
     return out
 
 
-def sustain_rps(plant: Plant, output_median: float) -> float:
-    """About what a member serves at its split: `Plant.sustain_rps` where the split is over
-    one request's decode power; under it (a deep cap: every batch is throttled), that at just
-    over one request's power, scaled down by the split's share of it."""
-    floor = decode_power_w(plant.profile, 1) * 1.05
-    at = dataclasses.replace(plant, ceiling_w=max(plant.ceiling_w, floor))
-    return at.sustain_rps(*_means(output_median)) * min(1.0, plant.ceiling_w / at.ceiling_w)
+def sizing(case: Case, plants: list[Plant], out_median: float) -> list[MemberSizing]:
+    """Each member's interval [C(split), C(w_max)] and its rates (module docstring). w_max
+    depends on the others' cold rates, which follow their hot rates: iterated from the hot
+    rates at C(split) (`SIZING_ITERATIONS` rounds; the last w_max is from the last cold rates
+    but one)."""
+    prompt, output = _means(out_median)
+    budget = case.budget_w()
+    at_split = [capped_rps(p, p.ceiling_w, prompt, output) for p in plants]
+    burst = BURST_PEAK if case.load == "moving" else 1.0
+    if case.load == "even":
+        return [
+            MemberSizing(
+                p.ceiling_w,
+                c,
+                p.ceiling_w,
+                c,
+                case.hot_position * c,
+                case.hot_position * c,
+                case.hot_position * c,
+            )
+            for p, c in zip(plants, at_split, strict=True)
+        ]
+    hot = [c / burst for c in at_split]
+    out: list[MemberSizing] = []
+    for _ in range(SIZING_ITERATIONS):
+        cold = [h / case.hot_over_cold for h in hot]
+        need = [need_w(p, c, prompt, output) for p, c in zip(plants, cold, strict=True)]
+        out = []
+        for i, p in enumerate(plants):
+            most_w = max(min(p.profile.tdp_w, budget - sum(need) + need[i]), p.ceiling_w)
+            at_most = capped_rps(p, most_w, prompt, output)
+            peak = at_split[i] + case.hot_position * (at_most - at_split[i])
+            out.append(MemberSizing(p.ceiling_w, at_split[i], most_w, at_most, peak,
+                                    peak / burst, peak / burst / case.hot_over_cold))  # fmt: skip
+        hot = [m.hot_rps for m in out]
+    return out
 
 
 def output_median(case: Case, plants: list[Plant]) -> float:
-    """Answers long enough that the fleet's peak arrivals stay under `MAX_FLEET_RPS`."""
+    """Answers long enough that the fleet's summed hot rates stay under `MAX_FLEET_RPS`."""
     out = 180.0
     for _ in range(8):
-        peak = sum(case.peak_over_sustain * sustain_rps(p, out) for p in plants)
+        peak = sum(m.hot_rps for m in sizing(case, plants, out))
         if peak <= MAX_FLEET_RPS:
             break
         out = min(out * peak / MAX_FLEET_RPS, 1_000.0)
@@ -208,7 +290,10 @@ def _phases(case: Case, i: int, hot_rps: float, seed: int, duration_s: float) ->
         out = []
         for k in range(math.ceil(duration_s / p)):
             if k % n == i:  # a burst, as fleet-bench's hot spot: 1.3x then 0.7x
-                out += [Phase(p / 2, hot_rps * 1.3), Phase(p / 2, hot_rps * 0.7)]
+                out += [
+                    Phase(p / 2, hot_rps * BURST_PEAK),
+                    Phase(p / 2, hot_rps * (2 - BURST_PEAK)),
+                ]
             else:
                 out.append(Phase(p, cold))
         return out
@@ -231,10 +316,10 @@ def _phases(case: Case, i: int, hot_rps: float, seed: int, duration_s: float) ->
 
 def plan_for(case: Case, out_median: float) -> Any:
     """fleet_bench's `plan_for(i, a, seed)` for this case."""
+    rates = sizing(case, case.plants(), out_median)
 
     def plan(i: int, a: argparse.Namespace, seed: int) -> list[PlannedRequest]:
-        plant = a.plants[i]
-        hot = case.peak_over_sustain * sustain_rps(plant, out_median)
+        hot = rates[i].hot_rps
         phases = member_phases(case, i, hot, seed, a.duration_s)
         prof = LoadProfile(f"m{i}", tuple(phases), output_median=out_median, priority_mix=MIX)
         return [r for r in prof.plan(a.duration_s, seed * 100 + i) if r.t_s < a.duration_s]
@@ -300,10 +385,11 @@ def _mean(xs: list[Any]) -> float | None:
 def table(summaries: list[dict[str, Any]]) -> str:
     """The markdown table docs/fleet.md carries."""
     head = (
-        "| case | budget | goodput / static, limiter | … admission alone | s over budget "
+        "| case | budget | room: C(w_max) / C(split) | goodput / static, limiter "
+        "| … median of repeats | … admission alone | s over budget "
         "(lim / adm) | power while queued / budget (static / lim / adm) | watts to hot spot, "
         "median s (lim / adm) | fixed-ceiling proxies / static |\n"
-        "|---|---|---|---|---|---|---|---|\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for s in summaries:
@@ -322,14 +408,22 @@ def table(summaries: list[dict[str, Any]]) -> str:
             v = f.get("median_seconds_to_move_watts")
             return "—" if v is None else f"{v:.1f}"
 
+        def med(f: dict[str, Any]) -> str:
+            xs = f.get("goodput_over_static", [])
+            return f"{statistics.median(xs):.2f}" if xs else "—"
+
         over = f"{sum(lim.get('seconds_over_budget', []))} / "
         over += f"{sum(adm.get('seconds_over_budget', []))}" if adm else "—"
         adm_ratio = _fmt_ratio(adm.get("goodput_over_static", []))
         if not c.get("admission_can_hold", True):
             adm_ratio = "cannot hold (one request each > budget)"
+        lim_ratio = _fmt_ratio(lim.get("goodput_over_static", []))
+        if c.get("nothing_to_win"):
+            lim_ratio = f"nothing to win ({lim_ratio})"
+        room = c.get("room")
         rows.append(
             f"| {c['name']} | {c['budget_w']:.0f} W | "
-            f"{_fmt_ratio(lim.get('goodput_over_static', []))} | "
+            f"{'—' if room is None else f'{room:.2f}x'} | {lim_ratio} | {med(lim)} | "
             f"{adm_ratio} | {over} | "
             f"{pq(cap)} / {pq(lim)} / {pq(adm)} | {mv(lim)} / {mv(adm)} | "
             f"{_fmt_ratio(s.get('static', {}).get('goodput_over_static', []))} |"
@@ -339,13 +433,14 @@ def table(summaries: list[dict[str, Any]]) -> str:
 
 def overall(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """Across the matrix: median and worst case of each arm's ratio (a case's mean over its
-    repeats), seconds over budget, power while queued, median move."""
+    repeats; cases with nothing to win left out and named), seconds over budget (all cases),
+    power while queued, median move."""
     out: dict[str, Any] = {}
     for arm in ("fleet", "fleet-admission"):
         per_case = [
             (statistics.fmean(s[arm]["goodput_over_static"]), s["case"]["name"])
             for s in summaries
-            if s.get(arm, {}).get("goodput_over_static")
+            if s.get(arm, {}).get("goodput_over_static") and not s["case"].get("nothing_to_win")
         ]
         if not per_case:
             continue
@@ -355,6 +450,9 @@ def overall(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         pq = [_mean(s[arm]["power_while_queued_over_budget"]) for s in summaries if arm in s]
         out[arm] = {
             "median_goodput_over_static": statistics.median(ratios),
+            "nothing_to_win": [
+                s["case"]["name"] for s in summaries if s["case"].get("nothing_to_win")
+            ],
             "worst_goodput_over_static": worst[0],
             "worst_case": worst[1],
             "seconds_over_budget": sum(

@@ -1,0 +1,86 @@
+"""What a simulated GPU set serves under a hardware power limit: its capped capacity C(plant, w).
+
+The law (a steady-state sizing from the plant's profile, not a measured figure): under a limit
+`w` the simulator slows each decode step (`gpu_model.step_at_clock`: on these profiles the
+step by about sqrt(P / w)) and keeps the batch, so a capped set can run up to `max_num_seqs`
+requests (or what its KV cache holds at the mean lengths). Over those batches b, a batch counts
+while its step keeps the time per output token under the TPOT SLO; it serves
+
+    b / (step_s(b, w) * output_mean + b * prompt_mean / prefill_tok_s(w))
+
+requests a second, prefill at the limit's share of prefill power (`min(1, w / prefill_w)`).
+C(plant, w) is the largest of these. It does not fall as `w` rises (a higher limit never slows
+a step), so the lowest limit that serves a rate (`need_w`) is found by bisection.
+
+`admission`'s sizing (`Plant.sustain_rps`: the batch where *uncapped* decode power meets the
+ceiling) is what a member serves when admission holds it under the ceiling; C is what it serves
+when the ceiling is a device limit, 1.1-3.3x more on the fleet matrix's members.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from powerbatch.sim.gpu_model import GpuProfile, prefill_power_w, step_at_clock
+from powerbatch.sim.plants import Plant
+
+TPOT_SLO_S = 0.1  # goodput's time-per-token bound, fleet-bench's and scenario-bench's default
+MAX_NUM_SEQS = 256  # SimEngine's default batch limit
+NEED_RESOLUTION_W = 1.0
+
+
+def capped_rps(
+    plant: Plant,
+    limit_w: float,
+    prompt_mean: float,
+    output_mean: float,
+    *,
+    tpot_slo_s: float = TPOT_SLO_S,
+    max_num_seqs: int = MAX_NUM_SEQS,
+) -> float:
+    """Requests/s the plant serves with its device limit at `limit_w` (module docstring)."""
+    return _capped_rps(plant.profile, plant.kv_capacity_tokens, float(limit_w), prompt_mean,
+                       output_mean, tpot_slo_s, max_num_seqs)  # fmt: skip
+
+
+@lru_cache(maxsize=65_536)
+def _capped_rps(
+    p: GpuProfile,
+    kv_capacity_tokens: int,
+    limit_w: float,
+    prompt_mean: float,
+    output_mean: float,
+    tpot_slo_s: float,
+    max_num_seqs: int,
+) -> float:
+    kv_batch = kv_capacity_tokens / (prompt_mean + output_mean / 2.0)
+    prefill_tok_s = p.prefill_tok_s * min(1.0, limit_w / prefill_power_w(p))
+    best = 0.0
+    for b in range(1, int(min(max_num_seqs, kv_batch)) + 1):
+        step_s = step_at_clock(p, b, 0, power_limit_w=limit_w).step_s
+        if step_s > tpot_slo_s:
+            break
+        best = max(best, b / (step_s * output_mean + b * prompt_mean / prefill_tok_s))
+    return best
+
+
+def lowest_limit_w(plant: Plant) -> float:
+    p = plant.profile
+    return p.min_limit_w_per_gpu * p.num_gpus
+
+
+def need_w(plant: Plant, rps: float, prompt_mean: float, output_mean: float) -> float:
+    """The lowest limit (to `NEED_RESOLUTION_W`, within the device's range) whose capped
+    capacity covers `rps`; the device's TDP where none does."""
+    lo, hi = lowest_limit_w(plant), plant.profile.tdp_w
+    if capped_rps(plant, lo, prompt_mean, output_mean) >= rps:
+        return lo
+    if capped_rps(plant, hi, prompt_mean, output_mean) < rps:
+        return hi
+    while hi - lo > NEED_RESOLUTION_W:  # capped_rps(lo) < rps <= capped_rps(hi)
+        mid = (lo + hi) / 2.0
+        if capped_rps(plant, mid, prompt_mean, output_mean) >= rps:
+            hi = mid
+        else:
+            lo = mid
+    return hi
