@@ -549,7 +549,14 @@ def test_with_nobody_needy_the_targets_are_the_static_split_within_bounds() -> N
         "idle": Bid(0.0, 0.0, 200.0, 900.0),
         "held": Bid(0.02, 340.0, 200.0, 900.0),  # held, inside its SLOs: giving
     }
-    assert allocate(calm, 1600.0) == pytest.approx({k: 400.0 for k in calm})
+    # ... but a member with no work at all keeps only its want (here its minimum): it lends
+    # the rest of its split to the members with work.
+    lent = allocate(calm, 1600.0)
+    assert lent["idle"] == pytest.approx(200.0)
+    assert lent == pytest.approx({"drawing": 1400 / 3, "light": 1400 / 3, "held": 1400 / 3,
+                                  "idle": 200.0})  # fmt: skip
+    del calm["idle"]
+    assert allocate(calm, 1200.0) == pytest.approx({k: 400.0 for k in calm})
     bounded = {
         "big": Bid(0.1, 1000.0, 800.0, 2800.0),  # a 4-GPU set's lowest limit
         "small": Bid(0.1, 300.0, 100.0, 250.0),  # its highest limit, under the split
@@ -562,5 +569,5 @@ def test_with_nobody_needy_the_targets_are_the_static_split_within_bounds() -> N
     tight = allocate({k: Bid(0.1, 900.0, 400.0, 900.0) for k in "abc"}, 1000.0)
     assert tight == pytest.approx({k: 1000.0 / 3 for k in "abc"})
     calm["drawing"] = Bid(0.05, 800.0, 200.0, 900.0, needy=True)  # work waits: watts move
-    moved = allocate(calm, 1600.0)
-    assert moved["drawing"] > 400.0 and sum(moved.values()) == pytest.approx(1600.0)
+    moved = allocate(calm, 1200.0)
+    assert moved["drawing"] > 400.0 and sum(moved.values()) == pytest.approx(1200.0)

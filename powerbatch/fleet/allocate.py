@@ -3,7 +3,8 @@ watt is worth most.
 
 `allocate`: while no member is needy, the targets are the static split itself (budget / N,
 clipped to each member's bounds, `static_split`): a fleet with nothing to move must cost
-nothing, and moving watts between members that all serve what they are sent buys nothing.
+nothing, and moving watts between members that all serve what they are sent buys nothing; only
+a member with no work at all lends its split to the members with work.
 Otherwise every member first gets what a static split would give it, budget / N, or less
 where it needs less (a member with no work waiting needs what it draws plus headroom); then the
 watts left, the surplus, go to the members with work waiting (`needy`), by water-filling on
@@ -128,10 +129,23 @@ def fair_floors(
     return at(lo)
 
 
+def _idle(bid: Bid) -> bool:
+    """No work at all (its value, 2 D / W, is 0 only at no demand)."""
+    return bid.value_per_w <= 0.0
+
+
 def static_split(bids: Mapping[str, Bid], budget_w: float) -> dict[str, float]:
     """budget / N clipped to each member's bounds: a minimum above it takes more and the others
-    shrink to fit; watts a maximum leaves are spread evenly over the rest."""
-    return _spread(fair_floors(bids, budget_w, need=lambda b: b.max_w), bids, budget_w)
+    shrink to fit. A member with no work at all keeps only its want (what it draws plus
+    headroom: it loses nothing, and a lease brings its split back as soon as work comes); the
+    watts it and any maximum leave are spread over the members with work, then over all."""
+
+    def need(b: Bid) -> float:
+        return _need_w(b) if _idle(b) else b.max_w
+
+    shares = fair_floors(bids, budget_w, need=need)
+    _spread(shares, bids, budget_w, [k for k, b in bids.items() if not _idle(b)])
+    return _spread(shares, bids, budget_w)
 
 
 def allocate(bids: Mapping[str, Bid], budget_w: float) -> dict[str, float]:
