@@ -15,6 +15,8 @@ from powerbatch.cli import fleet_bench, fleet_matrix
 from powerbatch.cli.main import build_parser
 from powerbatch.sim import capacity
 
+SLO = fleet_matrix.TPOT_SLO_S
+
 
 def matrix_args(*extra: str) -> Any:
     a = build_parser().parse_args(["fleet-bench", "--matrix", "reduced", *extra])
@@ -79,7 +81,7 @@ def test_each_peak_lies_inside_what_the_member_serves_at_its_split_and_at_its_ma
         budget = c.budget_w()
         for i, (p, m) in enumerate(zip(plants, sized, strict=True)):
             assert m.at_split_rps == pytest.approx(
-                capacity.capped_rps(p, p.ceiling_w, prompt, output)
+                capacity.capped_rps(p, p.ceiling_w, prompt, output, tpot_slo_s=SLO)
             )
             assert m.at_split_rps > 0
             if c.load == "even":  # nothing to move: at or under what the split serves
@@ -87,7 +89,7 @@ def test_each_peak_lies_inside_what_the_member_serves_at_its_split_and_at_its_ma
                 continue
             assert p.ceiling_w <= m.max_share_w <= p.profile.tdp_w
             assert m.at_max_rps == pytest.approx(
-                capacity.capped_rps(p, m.max_share_w, prompt, output)
+                capacity.capped_rps(p, m.max_share_w, prompt, output, tpot_slo_s=SLO)
             )
             assert m.at_split_rps <= m.peak_rps <= m.at_max_rps + 1e-9
             assert m.peak_rps == pytest.approx(
@@ -96,7 +98,7 @@ def test_each_peak_lies_inside_what_the_member_serves_at_its_split_and_at_its_ma
             assert m.cold_rps == pytest.approx(m.hot_rps / c.hot_over_cold)
             # w_max leaves the others what their cold rates need (at the sizing's fixed point)
             others = sum(
-                capacity.need_w(q, s.cold_rps, prompt, output)
+                capacity.need_w(q, s.cold_rps, prompt, output, tpot_slo_s=SLO)
                 for j, (q, s) in enumerate(zip(plants, sized, strict=True))
                 if j != i
             )
@@ -119,15 +121,17 @@ def test_capacity_rises_with_the_limit_and_need_w_inverts_it() -> None:
         prompt, output = fleet_matrix._means(250.0)
         lo = prof.min_limit_w_per_gpu * prof.num_gpus
         limits = np.linspace(lo, prof.tdp_w, 12)
-        caps = [capacity.capped_rps(plant, float(w), prompt, output) for w in limits]
+        caps = [
+            capacity.capped_rps(plant, float(w), prompt, output, tpot_slo_s=SLO) for w in limits
+        ]
         assert all(b >= a for a, b in itertools.pairwise(caps)), kind
         assert caps[-1] > caps[0] > 0, kind  # the limit matters
         for rate in (caps[2], (caps[4] + caps[8]) / 2):
-            w = capacity.need_w(plant, rate, prompt, output)
-            assert capacity.capped_rps(plant, w, prompt, output) >= rate
-            assert capacity.capped_rps(plant, w - 2 * capacity.NEED_RESOLUTION_W, prompt,
-                                       output) < rate  # fmt: skip
-        assert capacity.need_w(plant, caps[-1] * 2, prompt, output) == prof.tdp_w
+            w = capacity.need_w(plant, rate, prompt, output, tpot_slo_s=SLO)
+            assert capacity.capped_rps(plant, w, prompt, output, tpot_slo_s=SLO) >= rate
+            below_w = w - 2 * capacity.NEED_RESOLUTION_W
+            assert capacity.capped_rps(plant, below_w, prompt, output, tpot_slo_s=SLO) < rate
+        assert capacity.need_w(plant, caps[-1] * 2, prompt, output, tpot_slo_s=SLO) == prof.tdp_w
 
 
 def test_the_even_case_sends_no_more_than_the_split_serves() -> None:

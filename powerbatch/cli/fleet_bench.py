@@ -225,8 +225,7 @@ def member_plants(a: argparse.Namespace) -> list[Plant]:
 def split_limit_w(plant: Plant, budget_w: float, n: int) -> float:
     """A static split's hardware cap: budget / N, within what the GPU set accepts."""
     prof = plant.profile
-    lo = prof.min_limit_w_per_gpu * prof.num_gpus
-    return min(max(budget_w / n, lo), prof.tdp_w)
+    return min(max(budget_w / n, prof.min_limit_w), prof.tdp_w)
 
 
 def proxy_args(

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from powerbatch.cli import fleet_bench
+from powerbatch.cli.stack import slo_default_s
 from powerbatch.load.drawn import DIURNAL_SHAPE
 from powerbatch.load.profile import LoadProfile, Phase, PlannedRequest
 from powerbatch.sim.capacity import capped_rps, need_w
@@ -55,6 +56,9 @@ SETTLE_S = 6.0  # every arm waits this long before its load: past the proxies' 5
 MAX_FLEET_RPS = 36.0  # the whole fleet's peak arrivals: above it the load client binds
 PROMPT_MEDIAN, PROMPT_SIGMA, OUTPUT_SIGMA = 600.0, 0.8, 0.6  # LoadProfile's defaults
 MIX = {"high": 0.3, "normal": 0.5, "low": 0.2}
+# Goodput's time-per-token bound, as fleet-bench's: the sizing counts a batch only while its
+# capped step keeps it.
+TPOT_SLO_S = slo_default_s("tpot_slo_s")
 BURST_PEAK = 1.3  # a moving hot spot's first half over its mean (then 0.7x), as fleet-bench's
 NOTHING_TO_WIN = 1.05  # C(w_max) / C(split) under this on every member: nothing to move
 EVEN_POSITION = 0.8  # the even load at this share of C(split): served by the split, with margin
@@ -108,7 +112,7 @@ class Case:
         lowest limit (the static split must be a cap each GPU set accepts)."""
         profs = [KINDS[k] for k in self.kinds]
         budget = self.budget_frac * sum(p.tdp_w for p in profs)
-        floor = max(p.min_limit_w_per_gpu * p.num_gpus for p in profs) * len(profs) * 1.05
+        floor = max(p.min_limit_w for p in profs) * len(profs) * 1.05
         return max(budget, floor)
 
     def plants(self) -> list[Plant]:
@@ -117,7 +121,7 @@ class Case:
         out = []
         for k, meter in zip(self.kinds, self.meters, strict=True):
             prof = KINDS[k]
-            ceiling = min(max(budget / self.members, prof.min_limit_w_per_gpu * prof.num_gpus),
+            ceiling = min(max(budget / self.members, prof.min_limit_w),
                           prof.tdp_w)  # fmt: skip
             out.append(Plant(prof, ceiling, DEFAULT_KV_CAPACITY_TOKENS, meter, {"kind": k}))
         return out
@@ -226,7 +230,8 @@ def sizing(case: Case, plants: list[Plant], out_median: float) -> list[MemberSiz
     but one)."""
     prompt, output = _means(out_median)
     budget = case.budget_w()
-    at_split = [capped_rps(p, p.ceiling_w, prompt, output) for p in plants]
+    slo = TPOT_SLO_S
+    at_split = [capped_rps(p, p.ceiling_w, prompt, output, tpot_slo_s=slo) for p in plants]
     burst = BURST_PEAK if case.load == "moving" else 1.0
     if case.load == "even":
         return [
@@ -245,11 +250,13 @@ def sizing(case: Case, plants: list[Plant], out_median: float) -> list[MemberSiz
     out: list[MemberSizing] = []
     for _ in range(SIZING_ITERATIONS):
         cold = [h / case.hot_over_cold for h in hot]
-        need = [need_w(p, c, prompt, output) for p, c in zip(plants, cold, strict=True)]
+        need = [
+            need_w(p, c, prompt, output, tpot_slo_s=slo) for p, c in zip(plants, cold, strict=True)
+        ]
         out = []
         for i, p in enumerate(plants):
             most_w = max(min(p.profile.tdp_w, budget - sum(need) + need[i]), p.ceiling_w)
-            at_most = capped_rps(p, most_w, prompt, output)
+            at_most = capped_rps(p, most_w, prompt, output, tpot_slo_s=slo)
             peak = at_split[i] + case.hot_position * (at_most - at_split[i])
             out.append(MemberSizing(p.ceiling_w, at_split[i], most_w, at_most, peak,
                                     peak / burst, peak / burst / case.hot_over_cold))  # fmt: skip

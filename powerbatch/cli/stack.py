@@ -28,12 +28,16 @@ def add_dcgm_interval_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
+def slo_default_s(name: str) -> float:
+    """The controller's default for `ttft_slo_s` or `tpot_slo_s`: every bench's SLO."""
+    return {f.name: f.default for f in dataclasses.fields(ControlConfig)}[name]  # type: ignore[return-value]
+
+
 def add_slo_arguments(p: argparse.ArgumentParser) -> None:
     """`--ttft-slo-s` and `--tpot-slo-s` of a bench: the controller's own defaults, passed on to
     the proxy and used to count answers within the SLO."""
-    defaults = {f.name: f.default for f in dataclasses.fields(ControlConfig)}
     for name in ("ttft_slo_s", "tpot_slo_s"):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=defaults[name])
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=slo_default_s(name))
 
 
 def exporter_metric(dcgm_interval_s: float) -> str:

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from powerbatch.sim.engine import DEFAULT_MAX_NUM_SEQS
 from powerbatch.sim.gpu_model import GpuProfile, prefill_power_w, step_at_clock
 from powerbatch.sim.plants import Plant
 
-TPOT_SLO_S = 0.1  # goodput's time-per-token bound, fleet-bench's and scenario-bench's default
-MAX_NUM_SEQS = 256  # SimEngine's default batch limit
 NEED_RESOLUTION_W = 1.0
 
 
@@ -35,8 +34,8 @@ def capped_rps(
     prompt_mean: float,
     output_mean: float,
     *,
-    tpot_slo_s: float = TPOT_SLO_S,
-    max_num_seqs: int = MAX_NUM_SEQS,
+    tpot_slo_s: float,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
 ) -> float:
     """Requests/s the plant serves with its device limit at `limit_w` (module docstring)."""
     return _capped_rps(plant.profile, plant.kv_capacity_tokens, float(limit_w), prompt_mean,
@@ -64,22 +63,23 @@ def _capped_rps(
     return best
 
 
-def lowest_limit_w(plant: Plant) -> float:
-    p = plant.profile
-    return p.min_limit_w_per_gpu * p.num_gpus
-
-
-def need_w(plant: Plant, rps: float, prompt_mean: float, output_mean: float) -> float:
+def need_w(
+    plant: Plant, rps: float, prompt_mean: float, output_mean: float, *, tpot_slo_s: float
+) -> float:
     """The lowest limit (to `NEED_RESOLUTION_W`, within the device's range) whose capped
     capacity covers `rps`; the device's TDP where none does."""
-    lo, hi = lowest_limit_w(plant), plant.profile.tdp_w
-    if capped_rps(plant, lo, prompt_mean, output_mean) >= rps:
+
+    def serves(limit_w: float) -> bool:
+        return capped_rps(plant, limit_w, prompt_mean, output_mean, tpot_slo_s=tpot_slo_s) >= rps
+
+    lo, hi = plant.profile.min_limit_w, plant.profile.tdp_w
+    if serves(lo):
         return lo
-    if capped_rps(plant, hi, prompt_mean, output_mean) < rps:
+    if not serves(hi):
         return hi
     while hi - lo > NEED_RESOLUTION_W:  # capped_rps(lo) < rps <= capped_rps(hi)
         mid = (lo + hi) / 2.0
-        if capped_rps(plant, mid, prompt_mean, output_mean) >= rps:
+        if serves(mid):
             hi = mid
         else:
             lo = mid

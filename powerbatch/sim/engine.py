@@ -47,6 +47,9 @@ __all__ = [
 ]
 
 
+DEFAULT_MAX_NUM_SEQS = 256  # the simulated server's batch limit unless told (vLLM's --max-num-seqs)
+
+
 class QueueFull(PowerbatchError):
     """The waiting queue is at `max_num_queued_reqs` (vLLM answers 503)."""
 
@@ -178,7 +181,7 @@ class SimEngine:
         self,
         profile: GpuProfile | str = DEFAULT_PROFILE,
         *,
-        max_num_seqs: int = 256,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int = 8192,
         kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS,
         block_size: int = 16,

@@ -178,6 +178,11 @@ class GpuProfile:
         return self.tdp_w_per_gpu * self.num_gpus
 
     @property
+    def min_limit_w(self) -> float:
+        """The set's lowest power limit (NVML's constraints, per GPU, times the GPUs)."""
+        return self.min_limit_w_per_gpu * self.num_gpus
+
+    @property
     def idle_w(self) -> float:
         return self.idle_w_per_gpu * self.num_gpus
 
