@@ -148,12 +148,15 @@ def settings(url: str, tmp_path: Path, **flat: object) -> ServeSettings:
     return s
 
 
-def test_the_loop_sets_the_simulators_limit_and_restores_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("limiter", ["zeusd", "auto"])
+def test_the_loop_sets_the_simulators_limit_and_restores_it(tmp_path: Path, limiter: str) -> None:
+    """`auto` (the default) takes the named zeusd as explicitly as `zeusd` does."""
+
     async def main() -> None:
         engine = SimEngine("h100x4-llama70b", seed=1)
         sim = await start_sim_server(engine)
         try:
-            _, gov = build(settings(sim.url, tmp_path))
+            _, gov = build(settings(sim.url, tmp_path, power_limiter=limiter))
             await gov.start()
             try:
                 for _ in range(100):  # the limit lands ~100 ms after the request

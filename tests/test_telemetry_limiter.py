@@ -36,7 +36,7 @@ from powerbatch.errors import (
 )
 from powerbatch.settings import flat
 from powerbatch.telemetry.base import PowerSource
-from powerbatch.telemetry.factory import make_limiter
+from powerbatch.telemetry.factory import limiter_kind, make_limiter
 from powerbatch.telemetry.limiter import (
     LimitActuator,
     NoLimiter,
@@ -45,6 +45,7 @@ from powerbatch.telemetry.limiter import (
     ZeusdLimiter,
     split_total_w,
 )
+from powerbatch.telemetry.nvml import holds_cap_sys_admin
 from powerbatch.telemetry.settings import LimiterSettings
 from powerbatch.telemetry.state import default_state_dir
 from powerbatch.telemetry.zeusd import ZeusdPowerSource
@@ -639,9 +640,39 @@ def test_limiter_settings(tmp_path: Path) -> None:
     assert isinstance(limiter, ZeusdLimiter)
     assert limiter.name == "zeusd:/run/zeusd/zeusd.sock:0,1"
     assert limiter.state_file.path.parent == tmp_path
-    assert isinstance(make_limiter(LimiterSettings(), [0]), NoLimiter)
+    assert isinstance(make_limiter(LimiterSettings(power_limiter="none"), [0]), NoLimiter)
     nvml = make_limiter(dataclasses.replace(s, power_limiter="nvml"), [0])
     assert isinstance(nvml, NvmlLimiter)
+
+
+def _status(tmp_path: Path, cap_eff: str) -> str:
+    path = tmp_path / f"status-{cap_eff}"
+    path.write_text(f"Name:\tpowerbatch\nCapInh:\t0000000000000000\nCapEff:\t{cap_eff}\n")
+    return str(path)
+
+
+def test_cap_sys_admin_is_read_from_the_effective_set(tmp_path: Path) -> None:
+    assert holds_cap_sys_admin(_status(tmp_path, "000001ffffffffff"))  # root, all caps
+    assert holds_cap_sys_admin(_status(tmp_path, "0000000000200000"))  # SYS_ADMIN alone
+    # Root in a container without SYS_ADMIN (Docker's default set): NVML refuses it a limit.
+    assert not holds_cap_sys_admin(_status(tmp_path, "00000000a80425fb"))
+
+
+def test_auto_takes_the_limiter_the_host_offers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """zeusd where a daemon is named, NVML where the process may set it, else admission alone;
+    never over an explicit choice, and never beside the hardware backstop."""
+    monkeypatch.setattr("powerbatch.telemetry.factory.may_set_power_limit", lambda nvml: False)
+    auto = LimiterSettings()
+    assert auto.power_limiter == "auto"
+    assert limiter_kind(auto) == "none"
+    with_zeusd = LimiterSettings(zeusd_url="http://127.0.0.1:4938")
+    assert limiter_kind(with_zeusd) == "zeusd"
+    assert limiter_kind(with_zeusd, backstop=True) == "none"
+    assert limiter_kind(dataclasses.replace(with_zeusd, power_limiter="none")) == "none"
+    monkeypatch.setattr("powerbatch.telemetry.factory.may_set_power_limit", lambda nvml: True)
+    assert limiter_kind(auto) == "nvml"
+    assert limiter_kind(with_zeusd) == "zeusd"
+    assert limiter_kind(auto, backstop=True) == "none"
 
 
 def test_zeusd_over_a_unix_socket(tmp_path: Path) -> None:

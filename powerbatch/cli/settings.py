@@ -54,7 +54,7 @@ class ServeSettings:
             )
         if self.hardware_backstop and self.power.power_source not in ("nvml", "auto"):
             raise ConfigError("hardware_backstop sets the limit through NVML: it needs nvml")
-        if self.hardware_backstop and self.limiter.power_limiter != "none":
+        if self.hardware_backstop and self.limiter.power_limiter not in ("none", "auto"):
             raise ConfigError(
                 "hardware_backstop and power_limiter both set the GPUs' power limit: the "
                 "limiter already holds the ceiling with the device limit; drop the backstop"

@@ -9,6 +9,7 @@ above) comes in as a callable, so nothing here imports it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -30,6 +31,7 @@ from powerbatch.telemetry.nvml import (
     NvmlClockLocker,
     NvmlPowerSource,
     default_power_limit_w,
+    may_set_power_limit,
     nvml_available,
     nvml_pci_bus_ids,
 )
@@ -39,7 +41,12 @@ from powerbatch.telemetry.prometheus import (
     dcgm_pci_bus_ids,
 )
 from powerbatch.telemetry.replay import ReplayPowerSource
-from powerbatch.telemetry.settings import ClockSettings, LimiterSettings, PowerSettings
+from powerbatch.telemetry.settings import (
+    ClockSettings,
+    LimiterKind,
+    LimiterSettings,
+    PowerSettings,
+)
 from powerbatch.telemetry.zeusd import PciLookup, ZeusdClient, ZeusdPowerSource
 
 
@@ -125,11 +132,34 @@ def device_max_w(power: PowerSettings, kind: str, max_w: float | None) -> float 
     return default_power_limit_w(power.gpu_indices())
 
 
+def limiter_kind(
+    settings: LimiterSettings, *, backstop: bool = False, nvml: ModuleType | None = None
+) -> LimiterKind:
+    """The configured limiter resolved: `auto` is zeusd where a daemon is named (it is how an
+    unprivileged pod gets the limit), else NVML where this process may set the limit, else none
+    (admission alone). The hardware backstop sets the limit itself, so `auto` leaves it that."""
+    if settings.power_limiter != "auto":
+        return settings.power_limiter
+    if backstop:
+        return "none"
+    if settings.zeusd_url:
+        return "zeusd"
+    return "nvml" if may_set_power_limit(nvml) else "none"
+
+
+def resolve_limiter(
+    settings: LimiterSettings, *, backstop: bool = False, nvml: ModuleType | None = None
+) -> LimiterSettings:
+    """`settings` with `auto` resolved (`limiter_kind`): each surface resolves once, at start."""
+    kind = limiter_kind(settings, backstop=backstop, nvml=nvml)
+    return dataclasses.replace(settings, power_limiter=kind)
+
+
 def zeusd_client(
     settings: LimiterSettings, clock: ClockSettings | None = None
 ) -> ZeusdClient | None:
     """One zeusd client for the limiter and the clock, where either goes through zeusd."""
-    uses = settings.power_limiter == "zeusd" or (
+    uses = limiter_kind(settings) == "zeusd" or (
         clock is not None and clock.clock_control == "zeusd"
     )
     if not uses or not settings.zeusd_url:
@@ -149,9 +179,10 @@ def make_limiter(
 ) -> PowerLimiter:
     """The configured backend, not started (call `await limiter.start()`); `dcgm_url` helps
     zeusd find GPUs given by UUID (`pci_lookup`)."""
-    if settings.power_limiter == "nvml":
+    kind = limiter_kind(settings)
+    if kind == "nvml":
         return NvmlLimiter(gpus, state_dir=settings.limit_state_dir)
-    if settings.power_limiter == "zeusd":
+    if kind == "zeusd":
         assert settings.zeusd_url is not None  # LimiterSettings refuses zeusd without a URL
         return ZeusdLimiter(
             settings.zeusd_url,
@@ -174,7 +205,7 @@ def make_actuator(
 ) -> LimitActuator | None:
     """The configured limiter behind its actuator, or None for admission alone (not started:
     the control loop starts it first thing, so crash recovery runs before anything else)."""
-    if settings.power_limiter == "none":
+    if limiter_kind(settings) == "none":
         return None
     limiter = make_limiter(settings, gpus, dcgm_url=dcgm_url, client=client)
     return LimitActuator.from_settings(limiter, settings)

@@ -13,6 +13,7 @@ driver is caught one level up: the monitor bounds every read with a timeout and 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -436,3 +437,29 @@ def nvml_pci_bus_ids(uuids: Sequence[str], *, nvml: ModuleType | None = None) ->
 def nvml_available(nvml: ModuleType | None = None) -> bool:
     """True when NVML loads and sees at least one GPU; never raises."""
     return _probe(nvml, lambda module: int(module.nvmlDeviceGetCount()) > 0, False)
+
+
+CAP_SYS_ADMIN = 21  # linux/capability.h
+
+
+def holds_cap_sys_admin(status_path: str = "/proc/self/status") -> bool:
+    """True when this process's effective capabilities include CAP_SYS_ADMIN (`CapEff` in
+    proc(5)); where there is no /proc, root stands for it. Root in a container without
+    SYS_ADMIN has no such bit, and NVML refuses it a limit."""
+    try:
+        with open(status_path, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_SYS_ADMIN & 1)
+    except OSError:
+        pass
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def may_set_power_limit(
+    nvml: ModuleType | None = None, status_path: str = "/proc/self/status"
+) -> bool:
+    """True when NVML sees a GPU and this process may set its power limit: the NVML API
+    reference says nvmlDeviceSetPowerManagementLimit "requires root/admin permissions", which on
+    Linux is CAP_SYS_ADMIN. Never raises."""
+    return holds_cap_sys_admin(status_path) and nvml_available(nvml)

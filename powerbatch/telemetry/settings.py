@@ -93,7 +93,7 @@ class PowerSettings:
             )
 
 
-LimiterKind = Literal["none", "nvml", "zeusd"]
+LimiterKind = Literal["auto", "none", "nvml", "zeusd"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +101,10 @@ class LimiterSettings:
     """Power limiter: the GPUs' power limit as a second, fast actuator"""
 
     power_limiter: LimiterKind = setting(
-        "none",
-        "how the GPUs' power limit is set: none (admission alone), nvml (this process needs "
-        "root or CAP_SYS_ADMIN) or zeusd (through the Zeus node daemon)",
+        "auto",
+        "how the GPUs' power limit is set: auto (zeusd where zeusd_url is set, else nvml where "
+        "this process may set the limit, else none), none (admission alone), nvml (this "
+        "process needs root or CAP_SYS_ADMIN) or zeusd (through the Zeus node daemon)",
     )
     zeusd_url: str | None = setting(
         None, "the zeusd daemon: http://host:port or unix:///run/zeusd/zeusd.sock"
