@@ -26,9 +26,9 @@ from powerbatch.errors import RequestError
 from powerbatch.telemetry.filters import ewma_step
 
 REJECTION_REASONS = ("queue_full", "queue_timeout", "shed", "draining")
+"""Every `Rejected.reason`: the proxy creates a metric series for each at start-up."""
 LANES: tuple[tuple[str, bool], ...] = tuple((p, s) for p in PRIORITIES for s in (True, False))
 """(class, stream) in the order waiters are served: by class, streams first within one."""
-"""Every `Rejected.reason`: the proxy creates a metric series for each at start-up."""
 
 
 class Rejected(RequestError):
