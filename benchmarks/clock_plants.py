@@ -64,6 +64,8 @@ def run(
     law: ClockLaw | None = None,
     lock: tuple[int, int] | None = None,
     meter_lag_s: float = 0.0,
+    load: str = "poisson",
+    pair_error_s: float = 0.0,
 ) -> dict[str, float]:
     clock = VirtualClock()
     sim_engine.time.monotonic = clock  # type: ignore[attr-defined]
@@ -82,6 +84,15 @@ def run(
     rng = np.random.default_rng(seed)
     # About 60 % of what the plant serves at a 16-request batch (a sizing guess, not a figure).
     rate = 0.6 * 16 / (profile.itl_base_s * 300 + 800 / profile.prefill_tok_s) / 2
+    start_s = clock.t
+
+    def rate_at(t: float) -> float:
+        """Arrivals/s at t: steady, or `bursty`'s shape (10 s calm at 2/8 of the mean rate,
+        10 s of burst at 14/8, as `powerbatch bench --profile bursty`: 2 and 14 rps)."""
+        if load == "poisson":
+            return rate
+        return rate * (2.0 if (t - start_s) % 20.0 < 10.0 else 14.0) / 8.0
+
     next_arrival, changed_s, top = clock.t, -1e9, float(supported[-1])
     window: list[tuple[float, float, int, int, int]] = []
     held: tuple[float, float, float, float] | None = None  # power, batch, decode, prefill
@@ -94,7 +105,7 @@ def run(
         while True:
             while next_arrival <= clock.t:
                 eng.add_request(int(rng.integers(100, 1500)), int(rng.integers(100, 500)))
-                next_arrival += rng.exponential(1 / rate)
+                next_arrival += rng.exponential(1 / rate_at(next_arrival))
             rec = eng.step()
             if rec is None:
                 clock.t = min(next_arrival, t_end)
@@ -121,11 +132,16 @@ def run(
             if len(span) < 2 or span[-1][0] <= span[0][0]:
                 continue
             dt = span[-1][0] - span[0][0]
+            # The load paired with the reading: the same second, or one `pair_error_s` later
+            # (a meter lag learned that much short).
+            lo, hi = t_tick - meter_lag_s - 1.0 + pair_error_s, t_tick - meter_lag_s + pair_error_s
+            seen = [w for w in window if lo - 1e-9 <= w[0] <= hi + 1e-9] or span
+            dt_seen = max(seen[-1][0] - seen[0][0], 1e-9)
             held = (
                 (span[-1][1] - span[0][1]) / dt,
-                float(np.mean([w[4] for w in span])),
-                (span[-1][3] - span[0][3]) / dt,
-                (span[-1][2] - span[0][2]) / dt,
+                float(np.mean([w[4] for w in seen])),
+                (seen[-1][3] - seen[0][3]) / dt_seen,
+                (seen[-1][2] - seen[0][2]) / dt_seen,
             )
             weight = 1.0 if meter_lag_s <= 0 else float(min(ticks_since, 5))
             read_at, ticks_since = t_tick, 0
@@ -165,17 +181,39 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=300.0)
     p.add_argument("--out", default=None, help="also write the rows here as JSON")
     p.add_argument("--meter-lag-s", type=float, default=0.0, help="0: an exact meter")
+    p.add_argument(
+        "--pair-error-s",
+        type=float,
+        default=0.0,
+        help="pair each reading with the load this much later than the second it measured",
+    )
+    p.add_argument(
+        "--load",
+        choices=("poisson", "bursty"),
+        default="poisson",
+        help="steady Poisson arrivals, or bursty's 7x swing every 10 s at the same mean rate",
+    )
     a = p.parse_args()
     rows: list[dict[str, Any]] = []
     for seed in range(a.first, a.first + a.plants):
         profile, ceiling_w, kv = draw(seed)
-        base = run(profile, ceiling_w, kv, seed, a.seconds)
+        base = run(profile, ceiling_w, kv, seed, a.seconds, load=a.load)
         law = ClockLaw(ClockPolicy(clock_objective="energy"), ControlConfig(ceiling_w=ceiling_w))
-        learned = run(profile, ceiling_w, kv, seed, a.seconds, law=law, meter_lag_s=a.meter_lag_s)
+        learned = run(
+            profile,
+            ceiling_w,
+            kv,
+            seed,
+            a.seconds,
+            law=law,
+            meter_lag_s=a.meter_lag_s,
+            load=a.load,
+            pair_error_s=a.pair_error_s,
+        )
         floor = profile.sm_clock_min_mhz
         best = base
         for top in law.levels[1:]:
-            static = run(profile, ceiling_w, kv, seed, a.seconds, lock=(floor, top))
+            static = run(profile, ceiling_w, kv, seed, a.seconds, lock=(floor, top), load=a.load)
             if static["tokens"] >= 0.98 * base["tokens"] and (
                 static["j_per_token"] < best["j_per_token"]
             ):
@@ -191,6 +229,8 @@ def main() -> None:
             "step_p95_ms": (base["step_p95_ms"], learned["step_p95_ms"]),
             "settled_s": learned["settled_s"],
             "meter_lag_s": a.meter_lag_s,
+            "load": a.load,
+            "pair_error_s": a.pair_error_s,
         }
         rows.append(row)
         print(
