@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -197,24 +196,3 @@ def test_a_held_member_gives_watts_only_once_its_latency_is_measured_inside_its_
     assert not inside.needy and inside.want_w == pytest.approx(395.0 * (1 - GIVE_FRAC))
     late = LoopSignals(loop(**kw, model=model, ttft_p95_s=None, tpot_p95_s=0.08))()
     assert late.needy  # one p95 measured past half its SLO is enough to be at risk
-
-
-def test_a_held_member_whose_work_outruns_its_decode_rate_is_needy_before_its_answers_say_so() -> (
-    None
-):
-    """A member turning hot under its limit: its batch has grown from 19 to 80 and its answers
-    of the last window (requests that arrived while it was cold) are well inside the SLOs. By
-    Little's law the 80 requests share its decode rate, 1,200 tokens/s, so each waits 67 ms a
-    token now, past half the 0.1-s SLO: it is needy and bids the device's maximum, rather than
-    giving `GIVE_FRAC` of its capped draw away while its work grows."""
-    model = LinearModel(540.0, 1.0)
-    kw: dict[str, Any] = {"queued": 0, "power_w": 321.0, "limit_w": 322.0, "model": model}
-    grown = loop(in_flight=80, ttft_p95_s=0.3, tpot_p95_s=0.02, **kw)
-    grown.history[-1] = replace(grown.history[-1], features=Features(80.0, 64e3, 0.0, 1200.0))
-    sig = LoopSignals(grown)()
-    assert sig.needy and sig.want_w == pytest.approx(DEVICE_MAX_W)
-    assert sig.tpot_now_s == pytest.approx(80 / 1200.0)
-    # The same member while its 80 requests decode at 60 tokens/s each (17 ms a token): inside.
-    steady = LoopSignals(loop(in_flight=80, ttft_p95_s=0.3, tpot_p95_s=0.02, **kw))()
-    assert not steady.needy and steady.want_w == pytest.approx(321.0 * (1 - GIVE_FRAC))
-    assert steady.tpot_now_s == pytest.approx(1 / DECODE_TOK_S_PER_REQUEST)

@@ -46,7 +46,6 @@ class MemberSignals:
     floor_w: float = 0.0  # the least it can hold while it serves at all (0: any share)
     max_w: float = math.inf  # the most it can draw: its device's highest limit, or its TDP
     needy: bool = False  # work waits, or its device limit holds it with work
-    tpot_now_s: float | None = None  # work / decode rate: the time per token it would see now
 
 
 class Stage(StrEnum):
@@ -202,7 +201,6 @@ def bid_fields(settings: FleetSettings, sig: MemberSignals, using_w: float) -> d
         "min_w": lo,
         "max_w": hi,
         "needy": int(sig.needy),
-        "tpot_now_s": "" if sig.tpot_now_s is None else round(sig.tpot_now_s, 4),
         "using_w": using_w,
         **{f"demand_{c}": k for c, k in sig.queued_by_class.items()},
     }

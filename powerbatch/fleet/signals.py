@@ -86,8 +86,7 @@ class LoopSignals:
         pinned = bool(demand > 0 and limit_w > 0 and power_w >= PINNED_FRAC * limit_w and bounds)
         queued = sum(by_class.values())
         waiting = queued > max(QUEUE_MIN, QUEUE_FRAC * rec.in_flight)
-        tpot_now_s = _tpot_now_s(rec.in_flight + queued, f.decode_tok_s)
-        latency = self._latency(tpot_now_s)
+        latency = self._latency()
         needy = waiting or ((pinned or queued > 0) and latency is Latency.AT_RISK)
         if needy and pinned and bounds:
             want = max(want, bounds[1])  # held by the limit: it would draw more than it may
@@ -105,19 +104,15 @@ class LoopSignals:
             floor_w=max(floor, 0.0),
             max_w=most,
             needy=needy,
-            tpot_now_s=tpot_now_s,
         )
 
-    def _latency(self, tpot_now_s: float | None) -> Latency:
-        """p95 TTFT and time per token (the host's window) and the time per token now (Little's
-        law, `tpot_now_s`) against `RISK_FRAC` of their SLOs."""
+    def _latency(self) -> Latency:
+        """p95 TTFT and time per token against `RISK_FRAC` of their SLOs (the host's window)."""
         loop = self.loop
-        cfg = loop.controller.config
-        if tpot_now_s is not None and tpot_now_s > RISK_FRAC * cfg.tpot_slo_s:
-            return Latency.AT_RISK
         snap = loop.features.latency(loop.clock())
         if snap is None:
             return Latency.UNMEASURED
+        cfg = loop.controller.config
         ttft, tpot = snap.ttft_p95_s, snap.tpot_p95_s
         if (ttft is not None and ttft > RISK_FRAC * cfg.ttft_slo_s) or (
             tpot is not None and tpot > RISK_FRAC * cfg.tpot_slo_s
@@ -143,14 +138,3 @@ class LoopSignals:
             demand = max(demand, prev * keep + demand * (1.0 - keep))
         self._demand = (t_s, demand)
         return demand
-
-
-def _tpot_now_s(work: int, decode_tok_s: float) -> float | None:
-    """The time per output token the member's work would see now, by Little's law: its requests
-    (in flight plus queued) share its decode rate of the last second, so each gets
-    `decode_tok_s / work` tokens a second. The window's p95s time answered requests only, a
-    request's length after its arrival: a member whose arrivals outrun it shows it here first.
-    None while nothing decodes (no rate to divide by)."""
-    if work <= 0 or decode_tok_s <= 0.0:
-        return None
-    return work / decode_tok_s
