@@ -8,19 +8,13 @@ from typing import Any
 
 import pytest
 
-from powerbatch.control.latency import LatencySnapshot, LatencyWindow
+from powerbatch.control.latency import LatencySnapshot
 from powerbatch.control.loop import TickRecord
 from powerbatch.estimate import Features
 from powerbatch.fleet import Bid, FleetSettings
 from powerbatch.fleet.allocate import allocate
 from powerbatch.fleet.member import share_bounds_w
-from powerbatch.fleet.signals import (
-    DEMAND_TAU_S,
-    GIVE_FRAC,
-    HEADROOM_FRAC,
-    RISK_FRAC,
-    LoopSignals,
-)
+from powerbatch.fleet.signals import DEMAND_TAU_S, GIVE_FRAC, HEADROOM_FRAC, LoopSignals
 
 DECODE_TOK_S_PER_REQUEST = 60.0
 DEVICE_MAX_W = 700.0
@@ -50,7 +44,6 @@ def loop(
     ttft_p95_s: float | None = None,
     tpot_p95_s: float | None = 0.02,  # well inside its 0.1-s SLO
     measured: bool = True,  # False: the host has no latency window yet
-    answers: tuple[float, float] | None = None,  # answers a second and their mean tokens
 ) -> Any:
     batch = float(in_flight)
     rec = TickRecord(
@@ -67,11 +60,7 @@ def loop(
             config=SimpleNamespace(min_batch=1, max_w=max_w, ttft_slo_s=2.0, tpot_slo_s=0.1)
         ),
         features=SimpleNamespace(
-            latency=lambda t: (
-                LatencySnapshot(ttft_p95_s, tpot_p95_s, {}, 10, *(answers or (None, None)))
-                if measured
-                else None
-            )
+            latency=lambda t: LatencySnapshot(ttft_p95_s, tpot_p95_s, {}, 10) if measured else None
         ),
         clock=lambda: t_s,
         predict_w=lambda f: model.predict_one(f)[0],  # ControlLoop.predict_w
@@ -227,33 +216,3 @@ def test_a_held_member_whose_work_rises_gives_nothing_while_its_answers_are_stil
         assert not bid.needy and bid.want_w >= 321.0  # at least its draw: its floor stays
     host.history = loop(t_s=14.0, in_flight=78, **kw).history  # no longer rising
     assert sig().want_w == pytest.approx(321.0 * (1 - GIVE_FRAC))
-
-
-def test_a_held_member_with_more_work_than_its_answers_say_it_serves_is_needy() -> None:
-    """Little's law: answering 2 requests a second of 300 tokens, a member keeps 60 requests
-    30 s each, past half of what its SLOs allow such an answer (2 s + 299 x 0.1 s): it is
-    needy and bids its device's maximum while the p95s of its answers, timed as they ended,
-    are still well inside. With 20 requests (10 s each) it is inside and gives."""
-    model = LinearModel(540.0, 1.0)
-    kw: dict[str, Any] = {"queued": 0, "power_w": 321.0, "limit_w": 322.0, "model": model}
-    kw.update(ttft_p95_s=0.3, tpot_p95_s=0.02, answers=(2.0, 300.0))
-    behind = LoopSignals(loop(in_flight=60, **kw))()
-    assert behind.needy and behind.want_w == pytest.approx(DEVICE_MAX_W)
-    steady = LoopSignals(loop(in_flight=20, **kw))()
-    assert not steady.needy and steady.want_w == pytest.approx(321.0 * (1 - GIVE_FRAC))
-    assert 20 < 2.0 * RISK_FRAC * (2.0 + 299 * 0.1) < 60
-
-
-def test_the_latency_window_counts_its_answers_and_their_length() -> None:
-    """Answers a second over the span the window's answers cover, and their mean length; None
-    below the window's minimum of samples (a p95's)."""
-    w = LatencyWindow(window_s=30.0, min_samples=5)
-    for k in range(4):
-        w.record(100.0 + k, "normal", 0.1, 0.02, tokens=100 + 100 * k)
-    assert w.snapshot(104.0).answers_per_s is None
-    w.record(104.0, "normal", 0.1, 0.02, tokens=500)
-    w.record(104.0, "normal", 0.1, None)  # no length given: not an answer counted
-    snap = w.snapshot(105.0)
-    assert snap.answers_per_s == pytest.approx(5 / 5.0)
-    assert snap.answer_tokens_mean == pytest.approx(300.0)
-    assert w.snapshot(131.5).answers_per_s is None  # the first answers have left the window

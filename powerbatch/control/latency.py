@@ -16,10 +16,6 @@ class LatencySnapshot:
     tpot_p95_s: float | None
     ttft_by_class_s: dict[str, float | None]
     samples: int
-    # Answers the window holds with their length (None below `min_samples`, or from a host that
-    # does not count them): per second over the span they cover, and their mean output tokens.
-    answers_per_s: float | None = None
-    answer_tokens_mean: float | None = None
 
 
 class _Series:
@@ -53,21 +49,11 @@ class LatencyWindow:
         self.min_samples = min_samples
         self._ttft: dict[str, _Series] = {}
         self._tpot = _Series(maxlen)
-        self._answers = _Series(maxlen)  # (end time, output tokens) of each answer counted
         self._maxlen = maxlen
 
     def record(
-        self,
-        now_s: float,
-        priority: str,
-        ttft_s: float | None,
-        tpot_s: float | None,
-        tokens: int | None = None,
+        self, now_s: float, priority: str, ttft_s: float | None, tpot_s: float | None
     ) -> None:
-        """One latency sample; `tokens`, given at an answer's end, counts the answer (its
-        length) for `answers_per_s` and `answer_tokens_mean`."""
-        if tokens is not None:
-            self._answers.append(now_s, float(tokens))
         if ttft_s is not None:
             series = self._ttft.get(priority)
             if series is None:
@@ -94,12 +80,6 @@ class LatencyWindow:
         else:
             ttft_p95_s = self._p95(np.concatenate([values[n] for n in chosen] or [np.empty(0)]))
         samples = sum(len(vs) for vs in values.values())
-        lengths = self._answers.values_since(since)
-        rate, mean = None, None
-        if len(lengths) >= self.min_samples:
-            span_s = now_s - max(since, self._answers.t[0])
-            rate = len(lengths) / span_s if span_s > 0 else None
-            mean = float(lengths.mean())
         return LatencySnapshot(
-            ttft_p95_s, self._p95(self._tpot.values_since(since)), by_class, samples, rate, mean
+            ttft_p95_s, self._p95(self._tpot.values_since(since)), by_class, samples
         )

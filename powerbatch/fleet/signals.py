@@ -30,7 +30,6 @@ from collections.abc import Callable
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from powerbatch.control.latency import LatencySnapshot
 from powerbatch.estimate import Features
 from powerbatch.fleet.lowering import Meter
 from powerbatch.fleet.member import MemberSignals
@@ -92,7 +91,7 @@ class LoopSignals:
         pinned = bool(demand > 0 and limit_w > 0 and power_w >= PINNED_FRAC * limit_w and bounds)
         queued = sum(by_class.values())
         waiting = queued > max(QUEUE_MIN, QUEUE_FRAC * rec.in_flight)
-        latency = self._latency(work)
+        latency = self._latency()
         needy = waiting or ((pinned or queued > 0) and latency is Latency.AT_RISK)
         if needy and pinned and bounds:
             want = max(want, bounds[1])  # held by the limit: it would draw more than it may
@@ -113,10 +112,8 @@ class LoopSignals:
             needy=needy,
         )
 
-    def _latency(self, work: float) -> Latency:
-        """p95 TTFT and time per token against `RISK_FRAC` of their SLOs (the host's window),
-        and `work` (requests in flight plus queued) against what its answers say it serves
-        within them (`outruns`)."""
+    def _latency(self) -> Latency:
+        """p95 TTFT and time per token against `RISK_FRAC` of their SLOs (the host's window)."""
         loop = self.loop
         snap = loop.features.latency(loop.clock())
         if snap is None:
@@ -126,8 +123,6 @@ class LoopSignals:
         if (ttft is not None and ttft > RISK_FRAC * cfg.ttft_slo_s) or (
             tpot is not None and tpot > RISK_FRAC * cfg.tpot_slo_s
         ):
-            return Latency.AT_RISK
-        if outruns(work, snap, cfg.ttft_slo_s, cfg.tpot_slo_s):
             return Latency.AT_RISK
         return Latency.UNMEASURED if ttft is None or tpot is None else Latency.INSIDE
 
@@ -149,19 +144,3 @@ class LoopSignals:
             demand = max(demand, prev * keep + demand * (1.0 - keep))
         self._demand = (t_s, demand)
         return demand
-
-
-def outruns(work: float, snap: LatencySnapshot, ttft_slo_s: float, tpot_slo_s: float) -> bool:
-    """Whether the member holds more work than it serves inside `RISK_FRAC` of its SLOs, by
-    Little's law: answering `answers_per_s` (over the latency window), it keeps a request
-    `work / answers_per_s` seconds on average, against `RISK_FRAC` of the time its SLOs allow
-    an answer of the window's mean length (the TTFT SLO, then a token per TPOT SLO). The p95s
-    time each request as it ends, a request's length after its arrivals outran the member;
-    this counts the requests still in it now. A steady member keeps `work` at its answers' rate
-    times their actual time, so it trips only where that time is past the fraction. False
-    where the host does not count its answers."""
-    rate, tokens = snap.answers_per_s, snap.answer_tokens_mean
-    if rate is None or tokens is None:
-        return False
-    allowed_s = RISK_FRAC * (ttft_slo_s + max(tokens - 1.0, 0.0) * tpot_slo_s)
-    return work > rate * allowed_s

@@ -302,7 +302,7 @@ class Accounting:
             s.tpot_s.observe(tpot_s)
         if tokens:
             s.output_tokens.inc(tokens)
-        self.gov.latency.record(last_s, call.priority, ttft_s, tpot_s, tokens)
+        self.gov.latency.record(last_s, call.priority, ttft_s, tpot_s)
 
     def access(
         self, call: Call, prompt: int, completion: int, energy_j: float, e2e_s: float
