@@ -196,3 +196,23 @@ def test_a_held_member_gives_watts_only_once_its_latency_is_measured_inside_its_
     assert not inside.needy and inside.want_w == pytest.approx(395.0 * (1 - GIVE_FRAC))
     late = LoopSignals(loop(**kw, model=model, ttft_p95_s=None, tpot_p95_s=0.08))()
     assert late.needy  # one p95 measured past half its SLO is enough to be at risk
+
+
+def test_a_held_member_whose_work_rises_gives_nothing_while_its_answers_are_still_inside() -> None:
+    """A member turning hot under its 322-W limit: its work grows from 19 to 80 requests while
+    the answers of its window (requests that arrived while it was cold) are well inside the
+    SLOs. It must not bid `GIVE_FRAC` under its capped draw while its arrivals outrun it (a
+    member that did ratcheted its share down with its draw); once its work stops rising it
+    may give again."""
+    model = LinearModel(540.0, 1.0)
+    kw: dict[str, Any] = {"queued": 0, "power_w": 321.0, "limit_w": 322.0, "model": model}
+    kw["ttft_p95_s"] = 0.3  # with the default 20-ms time per token: measured, well inside
+    host = loop(t_s=10.0, in_flight=19, **kw)
+    sig = LoopSignals(host)
+    assert sig().want_w == pytest.approx(321.0 * (1 - GIVE_FRAC))  # steady: it gives
+    for t_s, n in ((11.0, 35), (12.0, 58), (13.0, 80)):
+        host.history = loop(t_s=t_s, in_flight=n, **kw).history
+        bid = sig()
+        assert not bid.needy and bid.want_w >= 321.0  # at least its draw: its floor stays
+    host.history = loop(t_s=14.0, in_flight=78, **kw).history  # no longer rising
+    assert sig().want_w == pytest.approx(321.0 * (1 - GIVE_FRAC))

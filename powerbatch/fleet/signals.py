@@ -12,8 +12,11 @@
   server does and loses nothing by slowing a little more: it wants `GIVE_FRAC` less than it
   draws, so its share steps down while its latency allows. One whose latency is not yet
   measured (too few answers in the window) gives nothing: it has not shown it can spare a
-  watt. Any other member wants what it draws (or its model's demand, if more) plus
-  `HEADROOM_FRAC`;
+  watt. Nor does one whose work (in flight plus queued) is above the demand it last bid (which
+  holds its recent highs): its arrivals are outrunning it, and the window's p95s, timed on
+  requests as they end, show that a request's length later; a member that gave then bid its
+  capped draw down while its batch grew (docs/fleet.md, stop 34). Any other member wants what
+  it draws (or its model's demand, if more) plus `HEADROOM_FRAC`;
 * value_per_w = 2 D / W (the modelled goodput at W is D);
 * bounds: with a device limit, its range (the lowest limit holds any share above it, a share
   above the highest is never drawn); without, floor_w = P(shape * min_batch) (admission's
@@ -67,7 +70,9 @@ class LoopSignals:
         if rec is None:
             return MemberSignals()
         by_class = self.queued_by_class() if self.queued_by_class else {"normal": rec.queued}
-        demand = self._smoothed(rec.t_s, float(rec.in_flight + rec.queued))
+        work = float(rec.in_flight + rec.queued)
+        rising = self._demand is not None and work > self._demand[1]
+        demand = self._smoothed(rec.t_s, work)
         f = rec.features
         if f.batch >= 1:
             self._shape = f.per_request()
@@ -90,7 +95,8 @@ class LoopSignals:
         needy = waiting or ((pinned or queued > 0) and latency is Latency.AT_RISK)
         if needy and pinned and bounds:
             want = max(want, bounds[1])  # held by the limit: it would draw more than it may
-        elif pinned and latency is Latency.INSIDE:  # held, yet measured inside: it can give
+        elif pinned and latency is Latency.INSIDE and not rising:  # held, measured inside, and
+            # its work not above the demand it last bid: it can give
             want = power_w * (1.0 - GIVE_FRAC)
         elif not needy:  # all it has is served: what it draws, and room for a few more
             want = max(want, power_w) * (1.0 + HEADROOM_FRAC)
