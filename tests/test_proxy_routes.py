@@ -214,9 +214,12 @@ def test_a_cookie_one_clients_answer_sets_never_goes_upstream_with_anothers_requ
             async with running_proxy(host_url) as proxy, aiohttp.ClientSession() as s:
                 async with s.get(proxy.url + "/v1/models", headers={"Cookie": "mine=a"}) as r:
                     assert r.status == 200 and "session=client-a" in r.headers["Set-Cookie"]
-                async with aiohttp.ClientSession() as other:  # another client, no cookies
-                    async with other.get(proxy.url + "/v1/models") as r:
-                        assert r.status == 200
+                # another client, no cookies
+                async with (
+                    aiohttp.ClientSession() as other,
+                    other.get(proxy.url + "/v1/models") as r,
+                ):
+                    assert r.status == 200
         finally:
             await runner.cleanup()
         assert seen == ["mine=a", None]
