@@ -406,3 +406,24 @@ def test_an_answer_keeps_its_bytes_but_for_the_energy_field() -> None:
     ).encode()
     out = _energy_added(body, 2.5)
     assert out == body.replace(b'"usage": {', b'"usage": {"energy_j":2.5,')
+
+
+def test_a_plain_usage_object_is_read_off_the_bytes_alone() -> None:
+    """The usage object last in the answer is parsed alone (the answer's text is not read);
+    anywhere else, or below the top level, the whole answer is parsed as before."""
+    last = json.dumps({"choices": [{"text": "x" * 1000}], "usage": {"prompt_tokens": 3}})
+    doc, usage = json_usage(last.encode())
+    assert doc is None and usage == {"prompt_tokens": 3}
+    first = json.dumps({"usage": {"prompt_tokens": 3}, "choices": []}).encode()
+    nested = json.dumps({"choices": [{"usage": {"prompt_tokens": 9}}]}).encode()
+    assert json_usage(first) == (json.loads(first), {"prompt_tokens": 3})
+    assert json_usage(nested) == (json.loads(nested), None)
+    assert json_usage(b'[{"usage": {"prompt_tokens": 3}}]')[1] is None  # no object: no usage
+    assert json_usage(b"not json") == (None, None)
+    # energy_j the upstream set itself is replaced (the answer is parsed whole for it)
+    body = json.dumps({"usage": {"prompt_tokens": 1, "energy_j": 7.0}}).encode()
+    doc, usage = json_usage(body)
+    assert usage is not None
+    assert json.loads(with_energy(body, doc, usage, 2.0)) == {
+        "usage": {"prompt_tokens": 1, "energy_j": 2.0}
+    }

@@ -190,3 +190,38 @@ def test_the_simulator_serves_embeddings_as_prefill_only_jobs() -> None:
             await sim.close()
 
     run(main())
+
+
+def test_a_cookie_one_clients_answer_sets_never_goes_upstream_with_anothers_request() -> None:
+    """One upstream session serves every client: it keeps no cookies. A client's own Cookie
+    header goes up as it is, and the upstream's Set-Cookie comes back to that client only."""
+    seen: list[str | None] = []
+
+    async def models(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Cookie"))
+        resp = web.json_response({"object": "list", "data": []})
+        resp.set_cookie("session", "client-a", path="/")
+        return resp
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/health", lambda _: web.json_response({"status": "ok"}))
+        app.router.add_get("/v1/models", models)
+        runner, up_url = await serve(app)
+        # A host name, not an address: aiohttp's jar keeps no cookies for an IP address.
+        host_url = up_url.replace("127.0.0.1", "localhost")
+        try:
+            async with running_proxy(host_url) as proxy, aiohttp.ClientSession() as s:
+                async with s.get(proxy.url + "/v1/models", headers={"Cookie": "mine=a"}) as r:
+                    assert r.status == 200 and "session=client-a" in r.headers["Set-Cookie"]
+                # another client, no cookies
+                async with (
+                    aiohttp.ClientSession() as other,
+                    other.get(proxy.url + "/v1/models") as r,
+                ):
+                    assert r.status == 200
+        finally:
+            await runner.cleanup()
+        assert seen == ["mine=a", None]
+
+    run(main())

@@ -251,3 +251,23 @@ def test_stop_lands_even_when_it_arrives_as_a_read_completes() -> None:
         return still_polling
 
     assert asyncio.run(go()) is False
+
+
+def test_what_the_energy_meter_reads_is_what_the_snapshot_says() -> None:
+    """`metered()` (the proxy's energy meter, at every request's end) against `snapshot()`:
+    no sample yet, good, failed with the last value kept, recovered, then stale."""
+    clock = Clock()
+    script: list[Step] = [400.0, SensorReadError("x"), 410.0]
+    monitor = PowerMonitor(ScriptedSource(script), stale_after_s=1.0, clock=clock)
+
+    def agree() -> None:
+        r = monitor.snapshot()
+        assert monitor.metered() == (r.raw_w if r.ok else None, r.energy_j, r.age_s)
+
+    agree()
+    for _ in script:
+        poll_all(monitor, 1, clock, dt_s=0.3)
+        agree()
+    clock.now_s += 2.0
+    agree()
+    assert monitor.metered()[0] is None  # stale: no watts to meter

@@ -88,12 +88,10 @@ class EnergyAccounting:
         if self.pull is not None:
             self.pull(self)
         t_s = self.clock()
-        reading = self.monitor.snapshot()
-        power_w = None
-        if reading.ok:
-            power_w = reading.raw_w
-        age_s = reading.age_s if math.isfinite(reading.age_s) else 0.0
-        delta_j, dt_s = self.meter.advance(t_s, power_w, reading.energy_j, age_s)
+        power_w, energy_j, age_s = self.monitor.metered()
+        if not math.isfinite(age_s):
+            age_s = 0.0
+        delta_j, dt_s = self.meter.advance(t_s, power_w, energy_j, age_s)
         split = self.ledger.settle(delta_j, dt_s, self.idle_w)
         self.metrics.charge(split.by_labels_j, split.idle_j)
         return split

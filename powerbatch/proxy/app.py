@@ -675,10 +675,13 @@ def _strict_dumps(obj: Any) -> str:
 def _client_session(settings: ProxySettings) -> aiohttp.ClientSession:
     # No session-wide read timeout: aiohttp's sock_read also runs while waiting for headers, which
     # would cut a long non-streamed answer at read_timeout_s. Each phase is bounded per request.
+    # No cookie jar: the session serves every client, so a cookie one client's answer set must
+    # not go upstream with another's requests (the clients' own Cookie headers pass as they are).
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s),
         auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
     )
 
 

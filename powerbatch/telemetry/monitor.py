@@ -116,14 +116,28 @@ class PowerMonitor:
 
     # --- state -------------------------------------------------------------------------------
 
+    def _age(self) -> tuple[float, bool]:
+        """(seconds since the newest good sample arrived, whether that is stale), as of now."""
+        if self._received_s is None:
+            return math.inf, True
+        age_s = max(0.0, self._clock() - self._received_s)
+        return age_s, age_s > self.stale_after_s
+
+    def metered(self) -> tuple[float | None, float | None, float]:
+        """What an energy meter reads: `snapshot()`'s raw_w where the reading is ok (else None),
+        energy_j and age_s, without building the reading (the proxy meters at every request's
+        end)."""
+        sample = self._sample
+        age_s, stale = self._age()
+        ok = self._error is None if self._consecutive_errors else not stale
+        if sample is None:
+            return None, None, age_s
+        return (sample.power_w if ok else None), sample.energy_j, age_s
+
     def snapshot(self) -> PowerReading:
         """The current view; age and staleness are computed now, not at the last poll."""
         sample = self._sample
-        if self._received_s is None:
-            age_s, stale = math.inf, True
-        else:
-            age_s = max(0.0, self._clock() - self._received_s)
-            stale = age_s > self.stale_after_s
+        age_s, stale = self._age()
         if self._consecutive_errors:
             error = self._error
         elif stale:
