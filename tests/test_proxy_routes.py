@@ -205,7 +205,11 @@ def test_a_cookie_one_clients_answer_sets_never_goes_upstream_with_anothers_requ
 
     async def main() -> None:
         app = web.Application()
-        app.router.add_get("/health", lambda _: web.json_response({"status": "ok"}))
+
+        async def health(_: web.Request) -> web.Response:
+            return web.json_response({"status": "ok"})
+
+        app.router.add_get("/health", health)
         app.router.add_get("/v1/models", models)
         runner, up_url = await serve(app)
         # A host name, not an address: aiohttp's jar keeps no cookies for an IP address.
