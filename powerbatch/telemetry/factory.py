@@ -137,7 +137,7 @@ def limiter_kind(
 ) -> LimiterKind:
     """The configured limiter resolved: `auto` is zeusd where a daemon is named (it is how an
     unprivileged pod gets the limit), else NVML where this process may set the limit, else none
-    (admission alone). The hardware backstop sets the limit itself, so `auto` leaves it that."""
+    (admission alone). The hardware backstop sets the limit itself, so `auto` leaves it to it."""
     if settings.power_limiter != "auto":
         return settings.power_limiter
     if backstop:
