@@ -147,11 +147,9 @@ async def stop_backstop(limiter: NvmlLimiter | None) -> None:
 def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, Governor]:
     """The whole proxy from its settings; `kind` is the resolved power source."""
     kind = kind or source_kind(s)
-    if s.limiter.power_limiter == "auto":
-        s = dataclasses.replace(
-            s, limiter=factory.resolve_limiter(s.limiter, backstop=s.hardware_backstop)
-        )
-        log.info("power limiter auto: %s", s.limiter.power_limiter)
+    s = dataclasses.replace(
+        s, limiter=factory.resolve_limiter(s.limiter, backstop=s.hardware_backstop)
+    )
     if s.hardware_backstop and kind != "nvml":
         raise ConfigError("--hardware-backstop sets the limit through NVML: it needs nvml")
     cfg = s.control

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -48,6 +49,8 @@ from powerbatch.telemetry.settings import (
     PowerSettings,
 )
 from powerbatch.telemetry.zeusd import PciLookup, ZeusdClient, ZeusdPowerSource
+
+log = logging.getLogger(__name__)
 
 
 def source_kind(
@@ -150,8 +153,12 @@ def limiter_kind(
 def resolve_limiter(
     settings: LimiterSettings, *, backstop: bool = False, nvml: ModuleType | None = None
 ) -> LimiterSettings:
-    """`settings` with `auto` resolved (`limiter_kind`): each surface resolves once, at start."""
+    """`settings` with `auto` resolved (`limiter_kind`) and the choice logged: each surface
+    resolves once, at start; any other setting comes back as it is."""
+    if settings.power_limiter != "auto":
+        return settings
     kind = limiter_kind(settings, backstop=backstop, nvml=nvml)
+    log.info("power limiter auto: %s", kind)
     return dataclasses.replace(settings, power_limiter=kind)
 
 

@@ -129,25 +129,26 @@ class PowerMonitor:
         end)."""
         sample = self._sample
         age_s, stale = self._age()
-        ok = self._error is None if self._consecutive_errors else not stale
         if sample is None:
             return None, None, age_s
+        ok = self._error_now(age_s, stale) is None
         return (sample.power_w if ok else None), sample.energy_j, age_s
+
+    def _error_now(self, age_s: float, stale: bool) -> str | None:
+        """Why the newest sample cannot be trusted now, None when it can."""
+        if self._consecutive_errors:
+            return self._error
+        if stale:
+            if self._received_s is None:
+                return "stale: no good sample yet"
+            return f"stale: no good sample for {age_s:.1f} s"
+        return None
 
     def snapshot(self) -> PowerReading:
         """The current view; age and staleness are computed now, not at the last poll."""
         sample = self._sample
         age_s, stale = self._age()
-        if self._consecutive_errors:
-            error = self._error
-        elif stale:
-            error = (
-                "stale: no good sample yet"
-                if self._received_s is None
-                else f"stale: no good sample for {age_s:.1f} s"
-            )
-        else:
-            error = None
+        error = self._error_now(age_s, stale)
         return PowerReading(
             t_s=None if sample is None else sample.t_s,
             raw_w=None if sample is None else sample.power_w,

@@ -203,9 +203,7 @@ class ControlThread:
         history_len: int = 36_000,
         model_name: str = "",
     ) -> None:
-        if cfg.limiter.power_limiter == "auto":
-            cfg = dataclasses.replace(cfg, limiter=factory.resolve_limiter(cfg.limiter))
-            log.info("power limiter auto: %s", cfg.limiter.power_limiter)
+        cfg = dataclasses.replace(cfg, limiter=factory.resolve_limiter(cfg.limiter))
         self.cfg, self.caps, self.stats = cfg, caps, stats
         self.kind = "custom" if source is not None else source_kind(cfg)
         self.control = cfg.control_config(
