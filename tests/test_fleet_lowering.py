@@ -81,7 +81,7 @@ def test_the_loop_asks_for_the_lower_of_its_limit_and_the_falling_shares() -> No
 
     def request(below: float | None, limit: float | None) -> float | None:
         host = SimpleNamespace(ceiling=Source(below))
-        return ControlLoop._limit_request_w(host, SimpleNamespace(power_limit_w=limit), 0.0)  # type: ignore[arg-type]
+        return ControlLoop._limit_request_w(host, limit, 0.0)  # type: ignore[arg-type]
 
     assert request(297.0, 495.0) == 297.0
     assert request(None, 495.0) == 495.0

@@ -182,6 +182,28 @@ def test_the_loop_sets_the_simulators_limit_and_restores_it(tmp_path: Path, limi
     run(main())
 
 
+def test_the_limit_is_in_force_before_the_first_request(tmp_path: Path) -> None:
+    """Start-up sets the limit and waits for it: the proxy listens only after `start()`, and a
+    prompt let in before the first tick's set landed ran at the device's default limit."""
+
+    async def main() -> None:
+        engine = SimEngine("h100x4-llama70b", seed=1)
+        sim = await start_sim_server(engine)
+        try:
+            _, gov = build(settings(sim.url, tmp_path))
+            await gov.start()
+            try:
+                assert engine.power_limit_w == 2376.0  # no tick has run yet
+                assert gov.loop.last is None
+            finally:
+                await gov.stop()
+            assert engine.power_limit_w == 2800.0
+        finally:
+            await sim.close()
+
+    run(main())
+
+
 def test_an_unreachable_limiter_degrades_and_says_so(tmp_path: Path) -> None:
     async def main() -> None:
         engine = SimEngine("h100x4-llama70b", seed=1)

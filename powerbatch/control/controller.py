@@ -254,6 +254,16 @@ class Controller:
         in_flight = min(obs.in_flight, current)
         return power_w, float(current), in_flight, obs.queued + obs.in_flight - in_flight
 
+    def power_limit_w(self, ceiling_w: float | None = None) -> float | None:
+        """The device limit to ask for under a ceiling (the configured one by default): the
+        ceiling less `limit_margin_frac`; None when observing, which enforces nothing."""
+        cfg = self.config
+        if cfg.mode == Mode.OBSERVE:
+            return None
+        return (cfg.ceiling_w if ceiling_w is None else ceiling_w) * (
+            1.0 - cfg.gains.limit_margin_frac
+        )
+
     def _explain(
         self, binding: Binding, emergency: bool, obs: Observation, ceiling_w: float
     ) -> str:
@@ -302,7 +312,7 @@ class Controller:
             emergency=emergency,
             reason=reason,
             ceiling_w=ceiling_w,
-            power_limit_w=None if observing else ceiling_w * (1.0 - cfg.gains.limit_margin_frac),
+            power_limit_w=self.power_limit_w(ceiling_w),
             capped=capped,
             deferrable=deferrable,
         )

@@ -36,6 +36,11 @@ class DeviceLimit:
         if not await self.actuator.start():
             log.error("power limiter degraded at start: %s", self.actuator.degraded_reason)
 
+    async def apply(self, requested_w: float | None) -> None:
+        """Set the limit now and wait for it (start-up: before the first request)."""
+        if requested_w is not None:
+            await self._apply(requested_w)
+
     def request(self, requested_w: float | None) -> None:
         """Hand the requested limit to the actuator off the tick (no loop: a tick driven by
         hand in a test sets nothing)."""
