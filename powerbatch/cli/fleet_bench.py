@@ -429,6 +429,12 @@ def summarize(
         "total_w": total.tolist(),
         "member_w": [p[:k].tolist() for p in per],
         "status_rows": rows,
+        # per request: member, start (s), priority, HTTP status, TTFT, time per token, within SLO
+        "request_rows": [
+            [i, round(r.t_start_s, 3), r.priority, r.status, r.ttft_s, r.tpot_s, within_slo(r, a)]
+            for i, rs in enumerate(results)
+            for r in rs
+        ],
     }
     if arm not in ("static", "hwcap"):
         out.update(fleet_figures(a, rows, events, total))
@@ -617,7 +623,8 @@ def plot(res: dict[str, Any], a: argparse.Namespace, path: Path) -> None:
 
 
 def brief(run: dict[str, Any]) -> dict[str, Any]:
-    bulky = ("total_w", "member_w", "status_rows", "good_and_sent_by_window_and_member")
+    bulky = ("total_w", "member_w", "status_rows", "request_rows")
+    bulky += ("good_and_sent_by_window_and_member",)
     return {k: v for k, v in run.items() if k not in bulky}
 
 
