@@ -26,10 +26,17 @@ def test_the_ceiling_follows_the_meter_down_while_the_limit_falls_at_once() -> N
     shown = low.show(0.2, 300.0, True, 700.0, meter(690.0, 693.0))
     assert 690.0 < shown <= 700.0
     assert low.limit_w == pytest.approx(300.0 * (1 - MARGIN)) and not low.limit_holds
-    # The limit is in force; the meter comes down; the ceiling follows it, never up.
+    # The limit is in force; the meter comes down; the ceiling follows it. The limit bounds
+    # the draw, so a reading that rises again shows what was drawn before it took: the
+    # ceiling follows it up too, never over the old one.
     shown2 = low.show(0.4, 300.0, True, 700.0, meter(500.0, 297.0))
     assert low.limit_holds and 300.0 < shown2 < shown
-    assert low.show(0.6, 300.0, True, 700.0, meter(600.0, 297.0)) == shown2  # never up
+    assert low.show(0.6, 300.0, True, 700.0, meter(600.0, 297.0)) == pytest.approx(612.0)
+    # Without the limit in force, never up.
+    low2 = Lowering()
+    low2.show(0.0, 700.0, True, 700.0, meter(690.0, 693.0))
+    first = low2.show(0.2, 300.0, True, 700.0, meter(500.0, 693.0))
+    assert low2.show(0.4, 300.0, True, 700.0, meter(600.0, 693.0)) == first
     # The meter reads the share: the share is the ceiling, and the loop's own limit rules.
     assert low.show(1.5, 300.0, True, 700.0, meter(296.0, 297.0)) == 300.0
     assert low.show(1.7, 300.0, True, 700.0, meter(296.0, 297.0)) == 300.0
@@ -44,14 +51,35 @@ def test_a_limit_that_does_not_come_or_a_meter_that_does_not_fall_ends_it() -> N
     assert low.show(0.1 + LIMIT_SET_GRACE_S, 300.0, True, 700.0, meter(690.0, 693.0)) == 300.0
     low = Lowering()
     low.show(0.0, 700.0, True, 700.0, meter(690.0, 693.0))
-    low.show(0.1, 300.0, True, 700.0, meter(690.0, 297.0))
-    assert low.show(0.1 + MAX_S, 300.0, True, 700.0, meter(350.0, 297.0)) == 300.0
+    low.show(0.1, 300.0, True, 700.0, meter(690.0, None, limited=False))  # admission alone
+    assert low.show(0.1 + MAX_S, 300.0, True, 700.0, meter(350.0, None, limited=False)) == 300.0
     low = Lowering()
     low.show(0.0, 700.0, True, 700.0, meter(690.0, 693.0))
     assert low.show(0.1, 300.0, False, 700.0, meter(690.0, 693.0)) == 300.0  # not live
     low = Lowering()
     low.show(0.0, 700.0, True, 500.0, meter(690.0, 693.0))
     assert low.show(0.1, 300.0, True, 500.0, meter(690.0, 693.0)) <= 500.0  # never over held
+
+
+def test_while_the_lower_limit_holds_the_ceiling_follows_a_lagging_meter_past_the_hold() -> None:
+    """A 2-s-late meter still reads the 450 W drawn under the old 465-W share after the
+    member's 354-W limit is in force and its renewal has brought what Redis holds down to the
+    new share. The limit bounds the draw, so neither that hold nor `MAX_S` ends the following:
+    a ceiling of the share under a reading of 450 W would read as a breach and cut the batch
+    (the diurnal case: batch 16 -> 4 and 24 requests queued while the meter caught up)."""
+    low = Lowering()
+    low.show(0.0, 465.0, True, 465.0, meter(403.0, 460.0))
+    low.show(0.2, 357.5, True, 465.0, meter(403.0, 460.0))  # the share falls; limit asked
+    held = 357.5  # the early renewal reported the limit in force: Redis holds the share
+    shown = low.show(0.5, 357.5, True, held, meter(448.0, 353.9))
+    # A 1-s mean still rising with what was drawn under 465 W: the ceiling rises with it
+    # (up to the old ceiling), as the draw it shows was bounded by that.
+    assert low.limit_holds and shown == pytest.approx(448.0 * 1.02)
+    later = low.show(0.2 + MAX_S + 0.5, 357.5, True, held, meter(440.0, 353.9))
+    assert later == pytest.approx(440.0 * 1.02)
+    assert low.show(3.9, 357.5, True, held, meter(470.0, 353.9)) == 465.0  # never over it
+    assert low.show(4.5, 357.5, True, held, meter(354.0, 353.9)) == 357.5  # caught up
+    assert low.show(4.7, 357.5, True, held, meter(440.0, 353.9)) == 357.5  # and done
 
 
 def test_a_renewal_reports_the_limit_in_force_not_the_lagging_meter() -> None:

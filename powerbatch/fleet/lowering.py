@@ -40,6 +40,7 @@ class Lowering:
     def __init__(self) -> None:
         self.ceiling_w: float | None = None  # shown on the last tick
         self.since: float | None = None  # when the share fell below it
+        self.from_w = 0.0  # the ceiling shown then: what the draw was under before the fall
         self.limit_w: float | None = None  # the limit to ask for this tick, or None
         self.limit_holds = False  # the lower limit is in force
 
@@ -49,13 +50,19 @@ class Lowering:
         out = share_w
         self.limit_w, self.limit_holds = None, False
         if live and prev is not None and share_w < prev - 1e-6 and m.power_w is not None:
-            self.since = now if self.since is None else self.since
+            if self.since is None:
+                self.since, self.from_w = now, prev
             age = now - self.since
             want_limit = share_w * (1.0 - m.limit_margin_frac)
             holds = m.limit_w is not None and m.limit_w <= want_limit + LIMIT_TOLERANCE_W
             waiting = m.limited and not holds and age >= LIMIT_SET_GRACE_S
-            if age < MAX_S and not waiting and m.power_w > share_w:
-                out = max(share_w, min(prev, held_w, m.power_w * (1.0 + FOLLOW_SLACK_FRAC)))
+            over_w = m.power_w * (1.0 + FOLLOW_SLACK_FRAC)
+            if holds and m.power_w > share_w:  # the limit bounds the draw, so the meter shows
+                # what was drawn before it took (under the old ceiling): follow it until it
+                # reads the share, up as well as down, with no deadline and no hold to obey
+                out = max(share_w, min(self.from_w, over_w))
+            elif age < MAX_S and not waiting and m.power_w > share_w:
+                out = max(share_w, min(prev, held_w, over_w))
             if m.limited:
                 self.limit_w, self.limit_holds = want_limit, holds
         if out <= share_w + 1e-9:
@@ -65,3 +72,4 @@ class Lowering:
 
     def reset(self) -> None:
         self.ceiling_w, self.since, self.limit_w, self.limit_holds = None, None, None, False
+        self.from_w = 0.0
