@@ -183,15 +183,16 @@ def test_a_held_member_gives_watts_only_once_its_latency_is_measured_inside_its_
     measured: bool, ttft_p95_s: float | None, tpot_p95_s: float | None
 ) -> None:
     """Held at its 396-W limit with 3 requests and no answers timed yet (no window, or too few
-    samples for a p95): it has not shown it can spare a watt, so it wants its draw plus
-    headroom (its split, as a floor) rather than `GIVE_FRAC` less. Measured inside, it gives."""
+    samples for a p95): it has not shown it can spare a watt, so it bids as a held member
+    (its device's highest limit: its capped draw says nothing of its demand) rather than
+    `GIVE_FRAC` less. Measured inside, it gives."""
     model = LinearModel(380.0, 1.0)
     kw: dict[str, Any] = {"in_flight": 3, "queued": 0, "power_w": 395.0, "limit_w": 396.0}
     unmeasured = LoopSignals(
         loop(**kw, model=model, measured=measured, ttft_p95_s=ttft_p95_s, tpot_p95_s=tpot_p95_s)
     )()
     assert not unmeasured.needy
-    assert unmeasured.want_w == pytest.approx(395.0 * (1 + HEADROOM_FRAC))
+    assert unmeasured.want_w == pytest.approx(DEVICE_MAX_W)
     inside = LoopSignals(loop(**kw, model=model, ttft_p95_s=0.3, tpot_p95_s=0.02))()
     assert not inside.needy and inside.want_w == pytest.approx(395.0 * (1 - GIVE_FRAC))
     late = LoopSignals(loop(**kw, model=model, ttft_p95_s=None, tpot_p95_s=0.08))()
@@ -216,3 +217,28 @@ def test_a_held_member_whose_work_rises_gives_nothing_while_its_answers_are_stil
         assert not bid.needy and bid.want_w >= 321.0  # at least its draw: its floor stays
     host.history = loop(t_s=14.0, in_flight=78, **kw).history  # no longer rising
     assert sig().want_w == pytest.approx(321.0 * (1 - GIVE_FRAC))
+
+
+def test_a_lent_member_held_under_its_split_gets_its_split_back_at_once() -> None:
+    """An A100-like member lent its split while idle and is held at a 175-W limit when its day
+    rises: 36 requests in flight, none queued in the proxy, too few answers timed for a p95
+    (the diurnal case). Its capped draw says nothing of its demand, so it must not bid it plus
+    headroom (main's law gave it a floor of 201 W, and it climbed back 15 % a period while its
+    answers missed their SLOs): it bids its device's highest limit, and with another member
+    needy its fair floor is its whole split."""
+    model = LinearModel(150.0, 0.5)
+    lent = LoopSignals(
+        loop(
+            in_flight=36, queued=0, power_w=174.0, limit_w=175.0, model=model,
+            bounds=(100.0, 400.0), measured=False,
+        )
+    )()  # fmt: skip
+    assert not lent.needy and lent.want_w == pytest.approx(400.0)
+    split = 1430.0 / 4
+    bids = {
+        "lent": Bid(lent.value_per_w, lent.want_w, 100.0, 400.0, lent.needy),
+        "hot": Bid(0.3, 700.0, 200.0, 700.0, needy=True),
+        "a": Bid(0.05, 300.0, 200.0, 700.0),
+        "b": Bid(0.05, 300.0, 100.0, 400.0),
+    }
+    assert allocate(bids, 1430.0)["lent"] >= split - 1e-6

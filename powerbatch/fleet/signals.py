@@ -98,6 +98,9 @@ class LoopSignals:
         elif pinned and latency is Latency.INSIDE and not rising:  # held, measured inside, and
             # its work not above the demand it last bid: it can give
             want = power_w * (1.0 - GIVE_FRAC)
+        elif pinned and bounds:  # held, and not shown it can spare a watt: its capped draw
+            # says nothing of its demand, so it bids as a held member at risk does
+            want = max(want, bounds[1])
         elif not needy:  # all it has is served: what it draws, and room for a few more
             want = max(want, power_w) * (1.0 + HEADROOM_FRAC)
         value = 2.0 * demand / want if demand > 0 and want > 0 else 0.0
