@@ -5,13 +5,19 @@ last second's power, drawn under the higher share, so the loop cuts the batch an
 where a server whose cap fell would only slow down. So while its share comes down, a member
 shows the loop a ceiling that follows its meter down from the old one (never above what it
 held, never up), and asks for the new share's device limit at once (`limit_w`); the loop, held
-by that limit, keeps its batch and slows as a capped server does. Once the meter reads the new
-share, or after `MAX_S`, the share itself is the ceiling. Without a device limit the ceiling
-follows the meter down the same way, and admission steps the batch down rather than cutting it.
+by that limit, keeps its batch and slows as a capped server does. Once that limit is in force
+it bounds the draw, so a meter still over the share shows what was drawn before it took: the
+ceiling then follows the meter, up or down but never over the ceiling before the fall, until
+the meter reads the share (a lagging meter read against the share would be a breach, and cut
+the batch). Before the limit holds, the ceiling follows the meter down, never up, and once the
+meter reads the new share, or after `MAX_S`, the share itself is the ceiling. Without a device
+limit the ceiling follows the meter down the same way, and admission steps the batch down
+rather than cutting it.
 
 Why it is safe: the member's draw stays under the old ceiling, which Redis still holds for it
 until a renewal reports less; and a renewal reports less only once the meter shows it or, with
-a device limit, once the lower limit is in force (the limit bounds the draw: `Lease.using_w`).
+a device limit, once the lower limit is in force (the limit bounds the draw: `Lease.using_w`),
+after which the ceiling shown bounds nothing the budget counts on.
 """
 
 from __future__ import annotations

@@ -12,11 +12,14 @@
   server does and loses nothing by slowing a little more: it wants `GIVE_FRAC` less than it
   draws, so its share steps down while its latency allows. One whose latency is not yet
   measured (too few answers in the window) gives nothing: it has not shown it can spare a
-  watt. Nor does one whose work (in flight plus queued) is above the demand it last bid (which
-  holds its recent highs): its arrivals are outrunning it, and the window's p95s, timed on
-  requests as they end, show that a request's length later; a member that gave then bid its
-  capped draw down while its batch grew (docs/fleet.md, stop 34). Any other member wants what
-  it draws (or its model's demand, if more) plus `HEADROOM_FRAC`;
+  watt. Nor does one whose work (in flight plus queued) is above the demand it last bid
+  (which holds its recent highs): its arrivals are outrunning it, and the window's p95s, timed
+  on requests as they end, show that a request's length later; a member that gave then bid its
+  capped draw down while its batch grew (docs/fleet.md, stop 34). A held member that does not
+  give bids the device's highest limit (want, above), so its fair floor is its whole split: a
+  member lent out under its split that bid its capped draw plus headroom climbed back only
+  `HEADROOM_FRAC` a period (stop 36). Any other member wants what it draws (or its model's
+  demand, if more) plus `HEADROOM_FRAC`;
 * value_per_w = 2 D / W (the modelled goodput at W is D);
 * bounds: with a device limit, its range (the lowest limit holds any share above it, a share
   above the highest is never drawn); without, floor_w = P(shape * min_batch) (admission's
