@@ -224,8 +224,8 @@ class ControlLoop:
 
         The limit is in force before this returns, so before the proxy listens: the first tick
         comes a moment later and its set takes milliseconds to a second more, and a prompt
-        admitted in between would run at the device's default limit (one did, 676 W over a
-        569 W ceiling in its first second, on a drawn plant of the scenario bench)."""
+        admitted in between would run at the device's default limit (one did: its first second
+        drew 676 W against a 440 W ceiling, on a drawn plant of the scenario bench)."""
         if self.device is not None:
             await self.device.start()
             t_s = self.clock()
