@@ -623,8 +623,13 @@ def plot(res: dict[str, Any], a: argparse.Namespace, path: Path) -> None:
 
 
 def brief(run: dict[str, Any]) -> dict[str, Any]:
-    bulky = {"total_w", "member_w", "status_rows", "request_rows"}
-    bulky.add("good_and_sent_by_window_and_member")
+    bulky = {
+        "total_w",
+        "member_w",
+        "status_rows",
+        "request_rows",
+        "good_and_sent_by_window_and_member",
+    }
     return {k: v for k, v in run.items() if k not in bulky}
 
 
