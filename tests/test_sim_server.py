@@ -199,6 +199,7 @@ METRIC_NAMES = {
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
     "vllm:num_preemptions_total",
+    "vllm:time_to_first_token_seconds_count",
     "DCGM_FI_DEV_POWER_USAGE",
     "DCGM_FI_DEV_POWER_USAGE_INSTANT",
     "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
@@ -224,6 +225,7 @@ def test_metrics_names_and_values() -> None:
         assert any(line.startswith(name + "{") for line in text.splitlines()), name
     assert samples["vllm:generation_tokens_total"][0].value == 7
     assert samples["vllm:prompt_tokens_total"][0].value == 10
+    assert samples["vllm:time_to_first_token_seconds_count"][0].value == 1  # one request started
     assert samples["vllm:num_requests_running"][0].labels == {"model_name": "sim-llama"}
     power = samples["DCGM_FI_DEV_POWER_USAGE"]
     assert sorted(s.labels["gpu"] for s in power) == ["0", "1", "2", "3"]

@@ -232,6 +232,8 @@ class SimEngine:
 
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.requests_started_total = 0  # first outputs, as vLLM's TTFT histogram counts them
+        self.ttft_total_s = 0.0
         self.preemptions_total = 0
         self.steps_total = 0
         self.requests_finished = 0
@@ -615,6 +617,8 @@ class SimEngine:
             if req.num_output == 0:
                 self.prompt_tokens_total += req.prompt_tokens
                 req.first_token_s = now_s
+                self.requests_started_total += 1
+                self.ttft_total_s += now_s - req.arrival_s
             if req.pooling:
                 self._end(req, "stop")
                 self.requests_finished += 1

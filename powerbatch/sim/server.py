@@ -25,7 +25,12 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
@@ -573,6 +578,11 @@ class _SimCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=labels)  # exposed as <name>_total
             c.add_metric(value, float(v))
             yield c
+        h = HistogramMetricFamily(
+            "vllm:time_to_first_token_seconds", "Time to first token.", labels=labels
+        )
+        h.add_metric(value, [("+Inf", float(e.requests_started_total))], e.ttft_total_s)
+        yield h
 
         yield from self._gpu_fields()
 

@@ -175,6 +175,9 @@ class UpstreamSignals:
     requests_waiting: float | None
     kv_cache_usage: float | None  # fraction 0..1
     t_s: float | None = None  # time.monotonic() when scraped
+    # Requests the engine has given a first token, ever: the count of vLLM's TTFT histogram
+    # (observed once per request, at its first output: vllm/v1/metrics/stats.py).
+    requests_started_total: float | None = None
 
 
 class UpstreamMetricsScraper:
@@ -187,6 +190,7 @@ class UpstreamMetricsScraper:
     RUNNING = "vllm:num_requests_running"
     WAITING = "vllm:num_requests_waiting"
     KV_CACHE = "vllm:kv_cache_usage_perc"
+    STARTED = "vllm:time_to_first_token_seconds_count"
 
     def __init__(
         self,
@@ -214,11 +218,13 @@ class UpstreamMetricsScraper:
         running = self._values(scrape, self.RUNNING)
         waiting = self._values(scrape, self.WAITING)
         kv_cache = self._values(scrape, self.KV_CACHE)
+        started = self._values(scrape, self.STARTED)
         return UpstreamSignals(
             requests_running=None if running is None else sum(running),
             requests_waiting=None if waiting is None else sum(waiting),
             kv_cache_usage=None if kv_cache is None else sum(kv_cache) / len(kv_cache),
             t_s=t_s,
+            requests_started_total=None if started is None else sum(started),
         )
 
     async def close(self) -> None:
