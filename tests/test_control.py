@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from powerbatch.control import ControlConfig, LatencySnapshot, Observation
+from powerbatch.control import ControlConfig, EngineLoad, LatencySnapshot, Observation
 from powerbatch.control.controller import Controller
 from powerbatch.estimate import Features
 
@@ -289,3 +289,33 @@ def test_the_prefill_pace_leaves_room_for_the_batch() -> None:
     assert pace is not None and late.enforced.max_requests >= batch
     room_tok_s = (late.target_w - plant(batch, 0.0)) / per_tok_w
     assert 0.6 * room_tok_s <= pace <= 1.1 * room_tok_s, (pace, room_tok_s, late.target_w)
+
+
+def test_work_the_engine_would_queue_waits_here_and_the_engine_stays_fed() -> None:
+    """An engine that runs at most `capacity` requests queues the rest first come first served;
+    the controller holds that surplus in admission's queue (by class) instead, and follows the
+    engine's capacity up when it grows, seen only through its scraped counts."""
+    cfg = ControlConfig(ceiling_w=5000.0, max_batch=256, warmup_s=0.0)
+    ctl = Controller(cfg)
+    start_rate = 4.0  # requests the engine starts per second (it finishes as many)
+    limit, scraped, trace = cfg.initial_batch, None, []
+    for i in range(int(60 * cfg.tick_hz)):
+        t = i / cfg.tick_hz
+        capacity = 24 if t < 30 else 60
+        in_flight = limit  # demand without end: admission fills every slot
+        if scraped is None or t - scraped.t_s >= 1.0:  # the upstream's metrics, once a second
+            queued = max(0, in_flight - capacity)
+            scraped = EngineLoad(queued, in_flight, start_rate, t)
+        feats = Features(in_flight, 900.0 * in_flight, 40.0 * in_flight, 30.0 * in_flight)
+        d = ctl.tick(Observation(t, 300.0 + in_flight, True, feats, in_flight, 500, engine=scraped))
+        limit = d.enforced.max_requests
+        trace.append((t, limit, d.binding))
+    buffer = ctl.engine.buffer(start_rate)
+    settled = [(lim, b) for t, lim, b in trace if 15 <= t < 30]
+    assert all(24 <= lim <= 24 + buffer for lim, _ in settled), settled
+    assert all(b == "engine" for _, b in settled), settled
+    grown = [lim for t, lim, _ in trace if 40 <= t < 60]
+    assert all(60 <= lim <= 60 + buffer for lim in grown), grown
+    # No scraped counts (a server without them): the law lets go.
+    d = ctl.tick(Observation(61.0, 360.0, True, Features(60, 5.4e4, 2400, 1800), 60, 500))
+    assert d.binding != "engine"

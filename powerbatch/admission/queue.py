@@ -85,6 +85,7 @@ class QueueStats:
     admitted_total: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PRIORITIES, 0))
     rejected_total: dict[tuple[str, str], int] = field(default_factory=dict)
     prefill_tokens_admitted_total: int = 0
+    requests_admitted_total: int = 0  # upstream requests (a slot may carry several)
 
 
 class AdmissionQueue:
@@ -305,6 +306,7 @@ class AdmissionQueue:
             self._bucket -= prefill_tokens  # may go negative: a long prompt borrows ahead
         self.stats.admitted_total[priority] += 1
         self.stats.prefill_tokens_admitted_total += prefill_tokens
+        self.stats.requests_admitted_total += requests
         if waited_since_s is not None:
             # Only grants to waiters measure the service rate; an immediate grant measures demand.
             dt = min(max(now - max(self._last_grant_t, waited_since_s), 0.0), 60.0)

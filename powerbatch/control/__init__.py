@@ -13,6 +13,7 @@ from powerbatch.control.types import (
     Binding,
     Decision,
     Deferrable,
+    EngineLoad,
     Observation,
     State,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "ControlConfig",
     "Decision",
     "Deferrable",
+    "EngineLoad",
     "Gains",
     "LatencySnapshot",
     "LatencyWindow",

@@ -118,6 +118,19 @@ class Gains:
     reserve_frac: float = setting(
         0.5, "under a device limit, extra slots for the top class, x the batch limit", ge=0, le=4
     )
+    # Engine queue: while the upstream's waiting queue is longer than a buffer of
+    # max(engine_min_buffer, engine_queue_s × its start rate), in flight is capped at what it
+    # runs + that buffer, so the surplus waits here, by class, not in the engine's first-come
+    # queue; once the engine's queue is under half the buffer the cap grows by
+    # max(buffer, engine_growth_frac × cap) per scrape. Two seconds: the queue must last until
+    # the next scrape (once a second) refills it, with as much again to spare.
+    engine_queue_s: float = setting(
+        2.0, "work left queued in the engine, in seconds of its start rate", gt=0, le=60
+    )
+    engine_min_buffer: int = setting(2, "and at least this many requests", ge=1)
+    engine_growth_frac: float = setting(
+        0.25, "growth of the cap per scrape once the engine's queue is short", gt=0, le=4
+    )
     # The learned shape of one request (KV, prefill, decode rates) follows the load mix with
     # this EWMA weight per tick: slow, the mix changes over tens of ticks.
     shape_rate: float = setting(0.1, "EWMA weight per tick of the per-request shape", gt=0, le=1)

@@ -11,6 +11,8 @@ in `powerbatch.control.laws`, where its docstring states it:
   the ceiling, the latency law prices how deep a batch throttles);
 * `latency`: λ_latency on p95 time per token; p95 TTFT only speeds growth;
 * `kv`: λ_kv on the upstream's KV-cache usage shrinks the KV cap;
+* `engine`: while the engine queues work of its own, in flight is its running count plus a
+  buffer, so the surplus waits in admission's queue, by class, not in the engine's FCFS one;
 * `demand`: the per-request shape, and how far the batch may lead recent demand;
 * `ramp`: the grid's ramps, floor and plan (off unless set);
 * `pace`: the prefill pace, the fastest prompt flow whose watts fit.
@@ -35,6 +37,7 @@ import numpy as np
 
 from powerbatch.control.config import ControlConfig, Mode, ShapeSettings
 from powerbatch.control.laws.demand import DemandLaw
+from powerbatch.control.laws.engine import EngineLaw
 from powerbatch.control.laws.kv import KvLaw
 from powerbatch.control.laws.latency import LatencyLaw
 from powerbatch.control.laws.pace import prefill_pace
@@ -61,6 +64,7 @@ REASONS: dict[Binding, str] = {
     Binding.DEMAND: "batch follows demand",
     Binding.WARMUP: "silent warm-up: learning the plant at the initial batch",
     Binding.RAMP: "the grid's ramp limit paces the batch",
+    Binding.ENGINE: "the engine queues work of its own: the surplus waits here, by class",
 }
 
 
@@ -87,6 +91,7 @@ class Controller:
         self.power = PowerLaw(config, self.model, self._grid)
         self.latency = LatencyLaw(config)
         self.kv = KvLaw(config)
+        self.engine = EngineLaw(config)
         self.demand = DemandLaw(config, self.model.prior)
         self.ramp = RampLaw(config, self.shape, self._grid)
         self._t0: float | None = None
@@ -129,6 +134,7 @@ class Controller:
             self.power.update_multiplier(judged.violation_w, ceiling_w)
             self.latency.update(obs.t_s, obs.latency, in_flight)
             self.kv.update(obs.kv_cache_usage)
+        self.engine.update(obs.engine, obs.in_flight)
         target_w = judged.goal_w - self.power.multiplier
 
         step = self.latency.step(max(1, math.ceil(current * g.step_up_frac)), obs.latency)
@@ -148,6 +154,8 @@ class Controller:
             )
         caps[Binding.LATENCY] = int(self.latency.batch)
         caps[Binding.DEMAND] = self.demand.cap(obs.t_s, in_flight + queued)
+        if self.engine.cap is not None:
+            caps[Binding.ENGINE] = self.engine.cap
         caps[Binding.MAX_BATCH] = cfg.max_batch
         binding = min(caps, key=lambda k: caps[k])
         cap = caps[binding]
@@ -188,7 +196,10 @@ class Controller:
             binding = binding if emergency else Binding.WARMUP
         reserve = 0
         if capped:
-            reserve = min(cfg.max_batch - self._batch, math.ceil(g.reserve_frac * self._batch))
+            # The reserve's slots are places in the engine; where it queues work of its own,
+            # they would only be places in its first-come queue, where classes count no more.
+            places = cfg.max_batch if self.engine.cap is None else self.engine.cap
+            reserve = max(0, min(places - self._batch, math.ceil(g.reserve_frac * self._batch)))
         pace = None
         if not capped:
             pace = prefill_pace(

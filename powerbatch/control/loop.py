@@ -27,7 +27,7 @@ from powerbatch.control.latency import LatencySnapshot
 from powerbatch.control.metrics import ControlMetrics
 from powerbatch.control.record import History, TickRecord
 from powerbatch.control.status import status_document
-from powerbatch.control.types import Decision, Observation, State
+from powerbatch.control.types import Decision, EngineLoad, Observation, State
 from powerbatch.control.window import FeatureWindow, ReadingAligner
 from powerbatch.estimate import Features
 from powerbatch.telemetry.clock import ClockActuator
@@ -48,6 +48,7 @@ class HostSample:
     prefill_tokens_total: float
     decode_tokens_total: float
     kv_cache_usage: float | None = None  # the engine's KV-cache usage, 0..1, where known
+    engine: EngineLoad | None = None  # the engine's running and waiting counts, where known
     queued_deferrable: int = 0  # low-class requests waiting (the shape floor's reserve)
 
 
@@ -327,6 +328,7 @@ class ControlLoop:
             queued=host.queued,
             latency=latency,
             kv_cache_usage=host.kv_cache_usage,
+            engine=host.engine,
             ceiling_w=self.ceiling.ceiling_w(t_s) if self.ceiling is not None else None,
             power_limit_w=self._limit_in_force_w(),
             queued_deferrable=host.queued_deferrable,

@@ -39,6 +39,7 @@ class Binding(StrEnum):
     SENSOR = "sensor"
     WARMUP = "warmup"
     RAMP = "ramp"
+    ENGINE = "engine"
 
 
 class Deferrable(StrEnum):
@@ -67,6 +68,19 @@ class AdmissionLimits:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """The upstream engine's own queue, as of one scrape of its metrics (`t_s` tells one
+    scrape from the next): `queued` requests it will not start this step (vLLM's waiting
+    queue), out of the `in_flight` admitted then; `start_rate` the requests it starts per
+    second."""
+
+    queued: float
+    in_flight: int
+    start_rate: float
+    t_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class Observation:
     """What the controller sees each tick; the caller smooths features like the power reading."""
 
@@ -79,6 +93,7 @@ class Observation:
     sensor_error: str | None = None
     latency: LatencySnapshot | None = None
     kv_cache_usage: float | None = None  # upstream's, 0..1
+    engine: EngineLoad | None = None  # upstream's running and waiting; None: not scraped
     ceiling_w: float | None = None  # this tick's ceiling (a fleet share); None: the configured
     power_limit_w: float | None = None  # device limit in force; None: no limiter, or degraded
     queued_deferrable: int = 0  # low-class requests waiting (they can fill a floor)

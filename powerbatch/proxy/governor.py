@@ -29,6 +29,7 @@ from powerbatch.control.loop import CeilingSource, ControlLoop, HostSample, Limi
 from powerbatch.control.record import TickRecord
 from powerbatch.energy.accounting import EnergyAccounting
 from powerbatch.energy.settings import EnergySettings
+from powerbatch.proxy.engine_queue import EngineQueue
 from powerbatch.proxy.metrics import ProxyMetrics
 from powerbatch.shape.tracker import ShapeTracker
 from powerbatch.telemetry import PowerMonitor, UpstreamMetricsScraper, UpstreamSignals
@@ -80,6 +81,7 @@ class ProxyFeatures:
         self.interactive = interactive
         self.output_tokens_total = 0  # bumped by the request path
         self.upstream: UpstreamSignals | None = None
+        self.engine_queue = EngineQueue()
 
     def sample(self) -> HostSample:
         q, m = self.queue, self.metrics
@@ -94,6 +96,7 @@ class ProxyFeatures:
             prefill_tokens_total=float(q.stats.prefill_tokens_admitted_total),
             decode_tokens_total=float(self.output_tokens_total),
             kv_cache_usage=self.upstream.kv_cache_usage if self.upstream else None,
+            engine=self.engine_queue.load,
             queued_deferrable=q.queued_by_class().get(DEFERRABLE, 0),
         )
 
@@ -116,6 +119,10 @@ class ProxyFeatures:
                     "requests_running": up.requests_running,
                     "requests_waiting": up.requests_waiting,
                     "kv_cache_usage": up.kv_cache_usage,
+                    "requests_started_total": up.requests_started_total,
+                    "requests_started_per_s": eq.start_rate
+                    if (eq := self.engine_queue.load)
+                    else None,
                 }
                 if up
                 else None
@@ -130,6 +137,8 @@ class ProxyFeatures:
             except Exception as exc:  # the upstream's metrics are an extra, never required
                 log.debug("upstream metrics scrape failed: %s", exc)
                 self.upstream = None
+            q = self.queue
+            self.engine_queue.update(self.upstream, q.stats.requests_admitted_total, q.in_flight)
             await asyncio.sleep(interval_s)
 
 

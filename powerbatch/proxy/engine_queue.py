@@ -1,0 +1,39 @@
+"""The upstream engine's own queue and start rate, from its scraped metrics.
+
+vLLM schedules its running requests first and then, while the step's token budget and free KV
+blocks allow, its waiting queue in arrival order (vllm/v1/core/sched/scheduler.py): a request
+in `vllm:num_requests_waiting` is one the next step will not start. The prompt being
+prefilled this step is running, not waiting, and must not count as queued: the engine needs
+it to fill the step. The start rate is the count of vLLM's TTFT histogram per second (it is
+observed once per request, at its first output: vllm/v1/metrics/stats.py), or, from an
+engine without it, the requests sent to it per second.
+"""
+
+from __future__ import annotations
+
+from powerbatch.control import EngineLoad
+from powerbatch.telemetry import UpstreamSignals
+from powerbatch.telemetry.filters import ewma_step
+
+RATE_WEIGHT = 0.3
+"""EWMA weight per scrape of the start rate: a few scrapes, as bursts come and go."""
+
+
+class EngineQueue:
+    """Call `update` once per scrape, with the proxy's counts at the time of the scrape."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, float] | None = None  # (t_s, requests started) at last scrape
+        self._rate = 0.0
+        self.load: EngineLoad | None = None
+
+    def update(self, up: UpstreamSignals | None, admitted: int, in_flight: int) -> None:
+        if up is None or up.requests_waiting is None or up.t_s is None:
+            self.load, self._last = None, None
+            return
+        count = admitted if up.requests_started_total is None else up.requests_started_total
+        if self._last is not None and up.t_s > self._last[0]:
+            rate = max(0.0, count - self._last[1]) / (up.t_s - self._last[0])
+            self._rate = ewma_step(self._rate, rate, RATE_WEIGHT)
+        self._last = (up.t_s, count)
+        self.load = EngineLoad(up.requests_waiting, in_flight, self._rate, up.t_s)

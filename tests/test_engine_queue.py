@@ -1,0 +1,119 @@
+"""The engine's own queue and start rate, from its scraped counts and the proxy's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from conftest import run, serve
+
+from powerbatch.cli.serve import build
+from powerbatch.cli.settings import SERVE
+from powerbatch.proxy.engine_queue import EngineQueue
+from powerbatch.settings import load
+from powerbatch.sim import SimEngine
+from powerbatch.sim.server import start_sim_server
+from powerbatch.telemetry import UpstreamSignals
+
+
+def signals(t_s: float, running: float, waiting: float, started: float | None) -> UpstreamSignals:
+    return UpstreamSignals(running, waiting, 0.5, t_s, requests_started_total=started)
+
+
+def test_the_start_rate_is_the_engines_own_count_wherever_it_begins() -> None:
+    q = EngineQueue()
+    # The engine has started 1,000 requests before this proxy: only differences count.
+    q.update(signals(0.0, 10, 2, 1000.0), admitted=12, in_flight=12)
+    assert q.load is not None and q.load.queued == 2 and q.load.start_rate == 0.0
+    q.update(signals(2.0, 25, 3, 1008.0), admitted=40, in_flight=28)
+    assert q.load.queued == 3  # its waiting queue: what the next step will not start
+    assert q.load.start_rate == pytest.approx(0.3 * 4.0)  # EWMA from 0 of 8 in 2 s
+    assert q.load.in_flight == 28
+
+
+def test_an_engine_without_a_ttft_histogram_is_timed_by_what_it_was_sent() -> None:
+    q = EngineQueue()
+    q.update(signals(0.0, 10, 0, None), admitted=10, in_flight=10)
+    q.update(signals(1.0, 16, 4, None), admitted=20, in_flight=20)
+    assert q.load is not None and q.load.queued == 4
+    assert q.load.start_rate == pytest.approx(0.3 * 10.0)
+    q.update(None, admitted=20, in_flight=20)  # a failed scrape: no load at all, not a stale one
+    assert q.load is None
+    q.update(signals(3.0, 16, 0, None), admitted=30, in_flight=16)
+    assert q.load is not None and q.load.start_rate == pytest.approx(0.3 * 10.0)  # anew
+
+
+@pytest.mark.parametrize("law", [True, False])
+def test_work_the_engine_cannot_start_waits_in_the_proxy_where_a_stream_goes_first(
+    law: bool,
+) -> None:
+    """An engine that runs two requests at a time, a backlog of batch-class work, then a few
+    interactive streams: the streams' first tokens come after a buffer's worth of the backlog,
+    not after all of it (the engine's own queue is first come, first served)."""
+
+    async def main() -> tuple[list[int], int]:
+        sim = await start_sim_server(SimEngine(seed=5, max_num_seqs=2), stream_interval_tokens=1)
+        settings = load(
+            SERVE,
+            overrides={
+                "upstream": sim.url,
+                "ceiling_w": 5000.0,  # power never binds: only the engine's queue holds work
+                "warmup_s": 0.5,
+                "initial_batch": 64,  # nothing else holds the backlog back
+                "power_source": "dcgm",
+                "dcgm_url": sim.url + "/metrics",
+            }
+            | ({} if law else {"engine_min_buffer": 10_000}),  # a buffer that never fills
+        )
+        app, gov = build(settings)
+        runner, url = await serve(app)
+        done = 0
+        try:
+            async with aiohttp.ClientSession() as s:
+
+                async def low() -> None:
+                    nonlocal done
+                    body = {"messages": [{"role": "user", "content": "x " * 20}], "max_tokens": 60}
+                    async with s.post(
+                        url + "/v1/chat/completions", json=body, headers={"x-priority": "low"}
+                    ) as r:
+                        await r.read()
+                        assert r.status == 200
+                    done += 1
+
+                async def high() -> int:
+                    body = {
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 4,
+                        "stream": True,
+                    }
+                    async with s.post(
+                        url + "/v1/chat/completions", json=body, headers={"x-priority": "high"}
+                    ) as r:
+                        assert r.status == 200
+                        await r.content.readline()  # the first token's event
+                        before = done
+                        await r.read()
+                        return before
+
+                lows = []
+                for _ in range(LOWS):  # a backlog that builds for 2.4 s, seen by two scrapes
+                    lows.append(asyncio.create_task(low()))
+                    await asyncio.sleep(0.08)
+                before = await asyncio.gather(*(high() for _ in range(3)))
+                await asyncio.gather(*lows)
+            return before, gov.queue.in_flight
+        finally:
+            await runner.cleanup()
+            await sim.close()
+
+    before, in_flight = run(main())
+    assert in_flight == 0
+    if law:  # about half the backlog was sent on; the streams went ahead of the rest
+        assert max(before) <= 20, before
+    else:  # the engine's own queue: all but the last of the backlog finish first
+        assert min(before) >= LOWS - 3, before
+
+
+LOWS = 30
