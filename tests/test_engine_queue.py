@@ -25,11 +25,13 @@ def test_the_start_rate_is_the_engines_own_count_wherever_it_begins() -> None:
     q = EngineQueue()
     # The engine has started 1,000 requests before this proxy: only differences count.
     q.update(signals(0.0, 10, 2, 1000.0), admitted=12, in_flight=12)
-    assert q.load is not None and q.load.queued == 2 and q.load.start_rate == 0.0
+    assert q.load is None  # one scrape measures no rate: nothing to size a buffer by
     q.update(signals(2.0, 25, 3, 1008.0), admitted=40, in_flight=28)
-    assert q.load.queued == 3  # its waiting queue: what the next step will not start
-    assert q.load.start_rate == pytest.approx(0.3 * 4.0)  # EWMA from 0 of 8 in 2 s
+    assert q.load is not None and q.load.queued == 3  # what the next step will not start
+    assert q.load.start_rate == pytest.approx(4.0)  # 8 in 2 s: the first rate, unsmoothed
     assert q.load.in_flight == 28
+    q.update(signals(3.0, 25, 3, 1018.0), admitted=50, in_flight=28)
+    assert q.load is not None and q.load.start_rate == pytest.approx(4.0 + 0.3 * 6.0)
 
 
 def test_an_engine_without_a_ttft_histogram_is_timed_by_what_it_was_sent() -> None:
@@ -37,11 +39,13 @@ def test_an_engine_without_a_ttft_histogram_is_timed_by_what_it_was_sent() -> No
     q.update(signals(0.0, 10, 0, None), admitted=10, in_flight=10)
     q.update(signals(1.0, 16, 4, None), admitted=20, in_flight=20)
     assert q.load is not None and q.load.queued == 4
-    assert q.load.start_rate == pytest.approx(0.3 * 10.0)
+    assert q.load.start_rate == pytest.approx(10.0)
     q.update(None, admitted=20, in_flight=20)  # a failed scrape: no load at all, not a stale one
     assert q.load is None
     q.update(signals(3.0, 16, 0, None), admitted=30, in_flight=16)
-    assert q.load is not None and q.load.start_rate == pytest.approx(0.3 * 10.0)  # anew
+    assert q.load is None  # measured anew from here
+    q.update(signals(4.0, 16, 0, None), admitted=36, in_flight=16)
+    assert q.load is not None and q.load.start_rate == pytest.approx(6.0)
 
 
 @pytest.mark.parametrize("law", [True, False])

@@ -6,7 +6,8 @@ in `vllm:num_requests_waiting` is one the next step will not start. The prompt b
 prefilled this step is running, not waiting, and must not count as queued: the engine needs
 it to fill the step. The start rate is the count of vLLM's TTFT histogram per second (it is
 observed once per request, at its first output: vllm/v1/metrics/stats.py), or, from an
-engine without it, the requests sent to it per second.
+engine without it, the requests sent to it per second; until two scrapes have measured it
+there is no load to act on.
 """
 
 from __future__ import annotations
@@ -24,16 +25,19 @@ class EngineQueue:
 
     def __init__(self) -> None:
         self._last: tuple[float, float] | None = None  # (t_s, requests started) at last scrape
-        self._rate = 0.0
-        self.load: EngineLoad | None = None
+        self._rate: float | None = None
+        self.load: EngineLoad | None = None  # None until a start rate has been measured
 
     def update(self, up: UpstreamSignals | None, admitted: int, in_flight: int) -> None:
         if up is None or up.requests_waiting is None or up.t_s is None:
-            self.load, self._last = None, None
+            self.load, self._last, self._rate = None, None, None
             return
         count = admitted if up.requests_started_total is None else up.requests_started_total
         if self._last is not None and up.t_s > self._last[0]:
             rate = max(0.0, count - self._last[1]) / (up.t_s - self._last[0])
             self._rate = ewma_step(self._rate, rate, RATE_WEIGHT)
         self._last = (up.t_s, count)
-        self.load = EngineLoad(up.requests_waiting, in_flight, self._rate, up.t_s)
+        # No rate, no buffer that keeps the engine fed: the law waits for a second scrape.
+        self.load = None
+        if self._rate is not None:
+            self.load = EngineLoad(up.requests_waiting, in_flight, self._rate, up.t_s)
