@@ -48,7 +48,7 @@ class HostSample:
     prefill_tokens_total: float
     decode_tokens_total: float
     kv_cache_usage: float | None = None  # the engine's KV-cache usage, 0..1, where known
-    engine: EngineLoad | None = None  # the engine's running and waiting counts, where known
+    engine: EngineLoad | None = None  # the engine's own queue and start rate, as last scraped
     queued_deferrable: int = 0  # low-class requests waiting (the shape floor's reserve)
 
 

@@ -93,7 +93,7 @@ class Observation:
     sensor_error: str | None = None
     latency: LatencySnapshot | None = None
     kv_cache_usage: float | None = None  # upstream's, 0..1
-    engine: EngineLoad | None = None  # upstream's running and waiting; None: not scraped
+    engine: EngineLoad | None = None  # upstream's own queue and start rate; None: not scraped
     ceiling_w: float | None = None  # this tick's ceiling (a fleet share); None: the configured
     power_limit_w: float | None = None  # device limit in force; None: no limiter, or degraded
     queued_deferrable: int = 0  # low-class requests waiting (they can fill a floor)

@@ -9,14 +9,13 @@ A hardware cap knows no classes either; this is where admission can do better th
 So while the engine's waiting queue (`EngineLoad.queued`) is longer than a buffer of
 `max(engine_min_buffer, engine_queue_s × its start rate)`, the in-flight cap is the requests
 it runs plus that buffer. The engine stays fed (its queue holds about the buffer, enough to
-start what it can until the next scrape; a finishing request frees a slot here and the next
-waiter goes at once) and the surplus waits in the admission queue, where the top class's
-streams go first. The engine's own limits are
-not known, only seen: once its queue is under half the buffer the cap grows by
-`max(buffer, engine_growth_frac × cap)` per scrape, and lets go at the maximum batch. The
-counts are scraped (once a second) and so lag; the buffer, a scrape's worth of starts, covers
-a rise in what the engine can run before the next scrape shows it. With no scraped counts the
-law holds nothing back.
+start what it can until the next scrape refills it; a finishing request frees a slot here and
+the next waiter goes at once) and the surplus waits in the admission queue, where the top
+class's streams go first. The engine's own limits are not known, only seen: once its queue is
+under half the buffer the cap grows by `max(buffer, engine_growth_frac × cap)` per scrape, and
+lets go at the maximum batch. The counts are scraped (once a second) and so lag; the buffer
+(two seconds of starts by default) also covers a rise in what the engine can run before the
+next scrape shows it. With no scraped counts the law holds nothing back.
 """
 
 from __future__ import annotations
