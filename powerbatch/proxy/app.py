@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -39,11 +38,17 @@ from powerbatch.energy.usage import (
     usage_int,
     with_energy,
 )
-from powerbatch.errors import PowerbatchError
 from powerbatch.proxy.auth import TENANT, ApiKeys, auth_middleware
 from powerbatch.proxy.dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect
 from powerbatch.proxy.errors import error_body, error_response
 from powerbatch.proxy.governor import Governor
+from powerbatch.proxy.hop import (
+    Answer,
+    HopClient,
+    UpstreamBroken,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from powerbatch.proxy.metrics import ClassSeries
 from powerbatch.proxy.parse import (
     BadRequest,
@@ -61,10 +66,11 @@ from powerbatch.sse import usage_completion_tokens
 log = logging.getLogger("powerbatch.proxy")
 access_log = logging.getLogger("powerbatch.access")
 
-# Hop-by-hop headers (RFC 9110 section 7.6.1), and those aiohttp writes for each hop itself.
+# Hop-by-hop headers (RFC 9110 section 7.6.1), those each hop writes itself, and Expect (the
+# proxy has read the body already: a 100 Continue from upstream would mean nothing to anyone).
 _HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers"}
-    | {"transfer-encoding", "upgrade", "host", "content-length"}
+    | {"transfer-encoding", "upgrade", "host", "content-length", "expect"}
 )
 # vLLM's pooling routes (https://docs.vllm.ai/en/stable/serving/online_serving.html): each runs
 # a prefill on the GPU and decodes nothing, so each goes through admission like a completion.
@@ -103,10 +109,6 @@ SAFE_POSTS = (
 # An SSE event ends at a blank line; the relay forwards whole events only (see StreamRelay).
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 _MAX_PARTIAL_EVENT = 64 * 1024
-
-
-class _UpstreamFailed(PowerbatchError):
-    """The upstream broke off or went silent while answering."""
 
 
 def _forward_headers(headers: Any) -> dict[str, str]:
@@ -183,64 +185,53 @@ class Upstream:
             _HOP_BY_HOP | {"authorization"} if key is not None or client_keys else _HOP_BY_HOP
         )
         self.auth = f"Bearer {key}" if key is not None else None
-        self.session: aiohttp.ClientSession | None = None
+        self.client = HopClient(
+            self.base,
+            connect_timeout_s=settings.connect_timeout_s,
+            headers_timeout_s=settings.headers_timeout_s,
+            read_timeout_s=settings.read_timeout_s,
+        )
 
-    def url(self, request: web.Request) -> str:
-        """The upstream URL for a request: only ever the configured upstream, never the client's.
-
-        The path comes from the request's origin form; an absolute-URI target or a Host header
-        names nothing here (Host is not forwarded either), so the proxy is no open relay.
-        """
-        return self.base + request.rel_url.raw_path_qs
-
-    def headers(self, request: web.Request) -> dict[str, str]:
+    def headers(self, request: web.Request) -> list[tuple[str, str]]:
         """The client's headers, less hop-by-hop ones, with the upstream's key put in if set."""
-        out = {k: v for k, v in request.headers.items() if k.lower() not in self.drop}
+        out = [(k, v) for k, v in request.headers.items() if k.lower() not in self.drop]
         if self.auth is not None:
-            out["Authorization"] = self.auth
+            out.append(("Authorization", self.auth))
         return out
 
     async def send(
         self, request: web.Request, raw: bytes, dialect: Dialect = OPENAI
-    ) -> aiohttp.ClientResponse | web.Response:
+    ) -> Answer | web.Response:
         """The upstream's response once its headers are in, or the answer to give instead: 504
-        past headers_timeout_s, 503 when it cannot be reached, 502 on any other failure."""
-        assert self.session is not None
-        timeout_s = self.settings.headers_timeout_s
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await self.session.request(
-                    request.method,
-                    self.url(request),
-                    data=raw or None,
-                    headers=self.headers(request),
-                )
-        except TimeoutError:
-            msg = f"upstream did not answer within {timeout_s:g} s"
-            return dialect.error(504, msg, code="upstream_timeout")
-        except aiohttp.ClientConnectorError as exc:
-            return dialect.error(503, f"upstream unavailable: {exc}", code="upstream_unavailable")
-        except aiohttp.ClientError as exc:
-            msg = f"upstream error: {exc or type(exc).__name__}"
-            return dialect.error(502, msg, code="upstream_error")
+        past headers_timeout_s, 503 when it cannot be reached, 502 on any other failure.
 
-    async def read(
-        self, up: aiohttp.ClientResponse, dialect: Dialect = OPENAI
-    ) -> bytes | web.Response:
-        """The whole body, or a 502 when the upstream breaks off or is silent for read_timeout_s."""
+        Only ever to the configured upstream: the path comes from the request's origin form,
+        and an absolute-URI target or a Host header names nothing here (Host is not forwarded
+        either), so the proxy is no open relay.
+        """
         try:
-            if up.content.is_eof():  # all of it is here already: no timer to arm
-                return await up.content.read()
-            parts: list[bytes] = []
-            chunks = up.content.iter_any().__aiter__()
-            while True:
-                try:
-                    async with asyncio.timeout(self.settings.read_timeout_s):
-                        parts.append(await anext(chunks))
-                except StopAsyncIteration:
-                    return b"".join(parts)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            msg = f"upstream failed while answering: {exc or type(exc).__name__}"
+            return await self.client.request(
+                request.method, request.rel_url.raw_path_qs, self.headers(request), raw
+            )
+        except UpstreamTimeout:
+            msg = f"upstream did not answer within {self.settings.headers_timeout_s:g} s"
+            return dialect.error(504, msg, code="upstream_timeout")
+        except UpstreamUnreachable as exc:
+            return dialect.error(503, f"upstream unavailable: {exc}", code="upstream_unavailable")
+        except UpstreamBroken as exc:
+            return dialect.error(502, f"upstream error: {exc}", code="upstream_error")
+
+    async def read(self, up: Answer, dialect: Dialect = OPENAI) -> bytes | web.Response:
+        """The whole body, or a 502 when the upstream breaks off or is silent for read_timeout_s."""
+        if up.complete:  # all of it is here already: no timer to arm
+            return up.body()
+        parts: list[bytes] = []
+        try:
+            while (part := await up.chunk()) is not None:
+                parts.append(part)
+            return b"".join(parts)
+        except UpstreamBroken as exc:
+            msg = f"upstream failed while answering: {exc}"
             return dialect.error(502, msg, code="upstream_error")
 
 
@@ -327,7 +318,7 @@ class BodyRelay:
         self.upstream = upstream
         self.acc = acc
 
-    async def __call__(self, call: Call, up: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def __call__(self, call: Call, up: Answer) -> web.StreamResponse:
         dialect = call.dialect
         body = await self.upstream.read(up, dialect)
         if isinstance(body, web.Response):
@@ -380,34 +371,27 @@ class StreamRelay:
 
     def __init__(self, gov: Governor, settings: ProxySettings, acc: Accounting) -> None:
         self.gov = gov
-        self.read_s, self.write_s = settings.read_timeout_s, settings.client_timeout_s
+        self.write_s = settings.client_timeout_s
         self.acc = acc
 
-    async def __call__(self, call: Call, up: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def __call__(self, call: Call, up: Answer) -> web.StreamResponse:
         request, info, rec, outcomes = call.request, call.info, call.rec, call.series.outcomes
         dialect = call.dialect
         count = dialect.tokens_in
         resp = web.StreamResponse(status=up.status, headers=_forward_headers(up.headers))
-        read_s, write_s = self.read_s, self.write_s
+        write_s = self.write_s
         first_s: float | None = None
         events = 0
         tail = b""
         pending = b""
         held: bytes | None = None  # the usage chunk on: sent once the energy is known
-        chunks = up.content.iter_any().__aiter__()
         try:
             async with asyncio.timeout(write_s):
                 await resp.prepare(request)
             while True:
-                try:
-                    async with asyncio.timeout(read_s):
-                        chunk = await anext(chunks)
-                except StopAsyncIteration:
+                chunk = await up.chunk()  # UpstreamBroken, or UpstreamTimeout past read_timeout_s
+                if chunk is None:
                     break
-                except TimeoutError as exc:
-                    raise _UpstreamFailed(f"no data for {read_s:g} s") from exc
-                except aiohttp.ClientError as exc:
-                    raise _UpstreamFailed(str(exc) or type(exc).__name__) from exc
                 if first_s is None:
                     first_s = time.monotonic()
                 tail = (tail + chunk)[-4096:]
@@ -453,7 +437,7 @@ class StreamRelay:
                     await resp.write(pending)
                 self.acc.access(call, prompt, tokens, energy_j, now - call.t0)
                 await resp.write_eof()
-        except _UpstreamFailed as exc:
+        except UpstreamBroken as exc:
             log.warning("upstream stream failed: %s", exc)
             outcomes["upstream_error"].inc()
             with contextlib.suppress(ConnectionError, TimeoutError):
@@ -640,13 +624,13 @@ class OperatorRoutes:
             problems.append(f"power sensor not ready: {error}")
         if self.gov.queue.draining:
             problems.append("draining")
-        session = self.upstream.session
-        assert session is not None
         try:
-            async with asyncio.timeout(2.0), session.get(self.upstream.base + "/health") as up:
-                if up.status != 200:
-                    problems.append(f"upstream health answered {up.status}")
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            async with asyncio.timeout(2.0):
+                up = await self.upstream.client.request("GET", "/health", ())
+            up.close()
+            if up.status != 200:
+                problems.append(f"upstream health answered {up.status}")
+        except (UpstreamUnreachable, UpstreamBroken, TimeoutError) as exc:
             problems.append(f"upstream unreachable: {exc or type(exc).__name__}")
         status = 503 if problems else 200
         body = {"ready": not problems, "reason": "; ".join(problems), "problems": problems}
@@ -672,22 +656,7 @@ def _strict_dumps(obj: Any) -> str:
     return json.dumps(obj, allow_nan=False)
 
 
-def _client_session(settings: ProxySettings) -> aiohttp.ClientSession:
-    # No session-wide read timeout: aiohttp's sock_read also runs while waiting for headers, which
-    # would cut a long non-streamed answer at read_timeout_s. Each phase is bounded per request.
-    # No cookie jar: the session serves every client, so a cookie one client's answer set must
-    # not go upstream with another's requests (the clients' own Cookie headers pass as they are).
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0),
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s),
-        auto_decompress=False,
-        cookie_jar=aiohttp.DummyCookieJar(),
-    )
-
-
-def create_app(
-    gov: Governor, settings: ProxySettings, *, session: aiohttp.ClientSession | None = None
-) -> web.Application:
+def create_app(gov: Governor, settings: ProxySettings) -> web.Application:
     """The proxy as an aiohttp application; run it with handler_cancellation=True."""
     keys = ApiKeys.load(settings.api_keys, settings.api_keys_file)
     middlewares = [auth_middleware(keys)] if keys is not None else []
@@ -710,13 +679,10 @@ def create_app(
         return lambda raw, _content_type: parse(raw)
 
     async def lifecycle(app: web.Application) -> Any:
-        own = session is None
-        upstream.session = session or _client_session(settings)
         await gov.start()
         yield
         await gov.stop()
-        if own:
-            await upstream.session.close()
+        upstream.client.close()
 
     app.cleanup_ctx.append(lifecycle)
 
