@@ -168,7 +168,8 @@ def _completion_prompt_tokens(body: dict[str, Any]) -> int:
     )
 
 
-def _parse(body: Any, *, chat: bool, model_name: str, max_model_len: int) -> _Parsed:
+def _check_model(body: Any, model_name: str) -> None:
+    """A JSON object, for this model if it names one."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     model = body.get("model")
@@ -176,6 +177,10 @@ def _parse(body: Any, *, chat: bool, model_name: str, max_model_len: int) -> _Pa
         raise ApiError(
             404, f"The model `{model}` does not exist.", param="model", err_type="NotFoundError"
         )
+
+
+def _parse(body: Any, *, chat: bool, model_name: str, max_model_len: int) -> _Parsed:
+    _check_model(body, model_name)
     n = body.get("n")
     if n is not None and n != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
@@ -215,13 +220,7 @@ EMBEDDING_DIM = 8
 
 def _embedding_inputs(body: Any, *, model_name: str, max_model_len: int) -> list[int]:
     """Prompt tokens of each input of an embeddings request (vLLM's /v1/embeddings shapes)."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise ApiError(
-            404, f"The model `{model}` does not exist.", param="model", err_type="NotFoundError"
-        )
+    _check_model(body, model_name)
     fmt = body.get("encoding_format", "float")
     if fmt != "float":
         raise ApiError(400, "the simulator only answers encoding_format 'float'", param="input")
@@ -293,15 +292,25 @@ class _Handlers:
         self.interval = stream_interval_tokens
         self.max_model_len = max_model_len
 
-    def _submit(self, parsed: _Parsed) -> SimRequest:
+    def _submit(self, prompt_tokens: int, max_tokens: int, pooling: bool = False) -> SimRequest:
         try:
-            return self.engine.add_request(parsed.prompt_tokens, parsed.max_tokens)
-        except QueueFull as exc:
-            raise ApiError(503, str(exc), err_type="ServiceUnavailableError") from exc
-        except EngineStopped as exc:
+            return self.engine.add_request(prompt_tokens, max_tokens, pooling=pooling)
+        except (QueueFull, EngineStopped) as exc:
             raise ApiError(503, str(exc), err_type="ServiceUnavailableError") from exc
         except RequestTooLarge as exc:
             raise ApiError(400, str(exc)) from exc
+
+    @staticmethod
+    async def _finish(req: SimRequest, tokens: int, reason: str) -> None:
+        """Wait for `tokens` outputs; a 503 if the engine stops, a 500 for another ending."""
+        try:
+            await req.wait_tokens(tokens)
+        except EngineStopped as exc:
+            raise ApiError(503, str(exc), err_type="ServiceUnavailableError") from exc
+        if req.finish_reason != reason:
+            raise ApiError(
+                500, f"request ended early: {req.finish_reason}", err_type="InternalError"
+            )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, chat=True)
@@ -316,7 +325,7 @@ class _Handlers:
             model_name=self.model_name,
             max_model_len=self.max_model_len,
         )
-        req = self._submit(parsed)
+        req = self._submit(parsed.prompt_tokens, parsed.max_tokens)
         try:
             if parsed.stream:
                 return await self._stream(request, req, parsed, chat=chat)
@@ -326,51 +335,26 @@ class _Handlers:
                 self.engine.abort(req)
 
     async def _whole(self, req: SimRequest, *, chat: bool) -> web.StreamResponse:
-        try:
-            await req.wait_tokens(req.max_tokens)
-        except EngineStopped as exc:
-            raise ApiError(503, str(exc), err_type="ServiceUnavailableError") from exc
-        if req.finish_reason != "length":
-            raise ApiError(
-                500, f"request ended early: {req.finish_reason}", err_type="InternalError"
-            )
+        await self._finish(req, req.max_tokens, "length")
         text = _filler(0, req.num_output)
-        created = int(time.time())
-        if chat:
-            body: dict[str, Any] = {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": created,
+        out = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        choice = {
+            "index": 0,
+            **out,
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+        }
+        return web.json_response(
+            {
+                "id": f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
                 "model": self.model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": None,
-                        "finish_reason": "length",
-                        "stop_reason": None,
-                    }
-                ],
+                "choices": [choice],
                 "usage": _usage(req),
             }
-        else:
-            body = {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": text,
-                        "logprobs": None,
-                        "finish_reason": "length",
-                        "stop_reason": None,
-                    }
-                ],
-                "usage": _usage(req),
-            }
-        return web.json_response(body)
+        )
 
     async def _stream(
         self, request: web.Request, req: SimRequest, parsed: _Parsed, *, chat: bool
@@ -430,21 +414,9 @@ class _Handlers:
         reqs: list[SimRequest] = []
         try:
             for n in sizes:
-                try:
-                    reqs.append(self.engine.add_request(n, 0, pooling=True))
-                except (QueueFull, EngineStopped) as exc:
-                    raise ApiError(503, str(exc), err_type="ServiceUnavailableError") from exc
-                except RequestTooLarge as exc:
-                    raise ApiError(400, str(exc)) from exc
+                reqs.append(self._submit(n, 0, pooling=True))
             for req in reqs:
-                try:
-                    await req.wait_tokens(1)
-                except EngineStopped as exc:
-                    raise ApiError(503, str(exc), err_type="ServiceUnavailableError") from exc
-                if req.finish_reason != "stop":
-                    raise ApiError(
-                        500, f"request ended early: {req.finish_reason}", err_type="InternalError"
-                    )
+                await self._finish(req, 1, "stop")
         finally:
             for req in reqs:
                 if not req.finished:  # the client went away
