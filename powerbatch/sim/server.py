@@ -271,12 +271,35 @@ async def _json_body(request: web.Request) -> Any:
 # ---- completions -----------------------------------------------------------------------------
 
 
-def _usage(req: SimRequest) -> dict[str, int]:
+def _usage(*reqs: SimRequest) -> dict[str, int]:
+    prompt, out = sum(r.prompt_tokens for r in reqs), sum(r.num_output for r in reqs)
+    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
+
+
+def _completion(model_name: str, reqs: list[SimRequest], *, chat: bool) -> dict[str, Any]:
+    """A whole (chat) completion, one choice per finished request."""
+    choices = []
+    for i, req in enumerate(reqs):
+        text = _filler(0, req.num_output)
+        out = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        end = {"logprobs": None, "finish_reason": "length", "stop_reason": None}
+        choices.append({"index": i, **out, **end})
     return {
-        "prompt_tokens": req.prompt_tokens,
-        "completion_tokens": req.num_output,
-        "total_tokens": req.prompt_tokens + req.num_output,
+        "id": f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": choices,
+        "usage": _usage(*reqs),
     }
+
+
+async def _event_stream(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    return resp
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -336,36 +359,12 @@ class _Handlers:
 
     async def _whole(self, req: SimRequest, *, chat: bool) -> web.StreamResponse:
         await self._finish(req, req.max_tokens, "length")
-        text = _filler(0, req.num_output)
-        out = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-        choice = {
-            "index": 0,
-            **out,
-            "logprobs": None,
-            "finish_reason": "length",
-            "stop_reason": None,
-        }
-        return web.json_response(
-            {
-                "id": f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()),
-                "model": self.model_name,
-                "choices": [choice],
-                "usage": _usage(req),
-            }
-        )
+        return web.json_response(_completion(self.model_name, [req], chat=chat))
 
     async def _stream(
         self, request: web.Request, req: SimRequest, parsed: _Parsed, *, chat: bool
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream; charset=utf-8",
-                "Cache-Control": "no-cache",
-            }
-        )
-        await resp.prepare(request)
+        resp = await _event_stream(request)
         rid = f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}"
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
