@@ -366,13 +366,6 @@ def with_energy_now(
     return out
 
 
-def within_slo(r: RequestResult, a: argparse.Namespace) -> bool:
-    """Goodput counts a request that finished with its first token and every later one in time."""
-    if not r.ok or r.ttft_s is None or r.ttft_s > a.ttft_slo_s:
-        return False
-    return r.tpot_s is None or r.tpot_s <= a.tpot_slo_s
-
-
 def summarize(
     arm: str,
     a: argparse.Namespace,
@@ -388,6 +381,7 @@ def summarize(
     total = np.sum([p[:k] for p in per], axis=0)
     over = total > a.budget_w * (1 + OVER_TOLERANCE)
     queued = queued_seconds(rows, sim_rows or [], k)
+    slo = (a.ttft_slo_s, a.tpot_slo_s)
     good = 0
     hot_good = 0
     hot_ttft: list[float] = []
@@ -398,7 +392,7 @@ def summarize(
             hot = hot_member(r.t_start_s, a) == i
             w = min(int(r.t_start_s // a.hot_period_s), windows_n - 1)
             by_window[w, i, 1] += 1
-            if within_slo(r, a):
+            if r.within_slo(*slo):
                 good += 1
                 hot_good += hot
                 by_window[w, i, 0] += 1
@@ -431,7 +425,7 @@ def summarize(
         "status_rows": rows,
         # per request: member, start (s), priority, HTTP status, TTFT, time per token, within SLO
         "request_rows": [
-            [i, round(r.t_start_s, 3), r.priority, r.status, r.ttft_s, r.tpot_s, within_slo(r, a)]
+            [i, round(r.t_start_s, 3), r.priority, r.status, r.ttft_s, r.tpot_s, r.within_slo(*slo)]
             for i, rs in enumerate(results)
             for r in rs
         ],

@@ -41,6 +41,13 @@ class RequestResult:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
+    def within_slo(self, ttft_slo_s: float, tpot_slo_s: float) -> bool:
+        """Goodput counts a request that finished with its first token and every later one in
+        time."""
+        if not self.ok or self.ttft_s is None or self.ttft_s > ttft_slo_s:
+            return False
+        return self.tpot_s is None or self.tpot_s <= tpot_slo_s
+
 
 def chat_body(req: PlannedRequest, model: str) -> bytes:
     body = {
