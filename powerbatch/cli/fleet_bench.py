@@ -441,12 +441,10 @@ def queued_seconds(
     """Whole seconds in which some member had work waiting: in its proxy's queue or, where a
     server has no proxy (or its batch is full), in its engine's."""
     mask = np.zeros(n_seconds, bool)
-    for r in rows:
-        if (r.get("queued") or 0) > 0 and 0 <= r["t_s"] < n_seconds:
-            mask[int(r["t_s"])] = True
-    for r in sim_rows:
-        if (r.get("sim_waiting") or 0) > 0 and 0 <= r["t_s"] < n_seconds:
-            mask[int(r["t_s"])] = True
+    for rs, key in ((rows, "queued"), (sim_rows, "sim_waiting")):
+        for r in rs:
+            if (r.get(key) or 0) > 0 and 0 <= r["t_s"] < n_seconds:
+                mask[int(r["t_s"])] = True
     return mask
 
 
