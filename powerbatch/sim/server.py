@@ -596,39 +596,29 @@ class _SimCollector(Collector):
             energy_mj = [e.energy_j() * 1000.0 * s for s in profile.shares()]
         else:
             energy_mj = [e.energy_j() * 1000.0 / n] * n
-        power = GaugeMetricFamily(
-            "DCGM_FI_DEV_POWER_USAGE", "Power draw (in W), 1-second average.", labels=gpu_labels
+        fields = (
+            ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W), 1-second average.", avg_w),
+            ("DCGM_FI_DEV_POWER_USAGE_INSTANT", "Instant power draw (in W).", instant),
+            (
+                "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+                "Total energy consumption since start (in mJ).",
+                energy_mj,
+            ),
+            (
+                "DCGM_FI_DEV_POWER_MGMT_LIMIT",
+                "Power management limit (in W).",
+                e.gpu_power_limits_w,
+            ),
+            # The set steps in lockstep: one clock for all.
+            ("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz).", [e.sm_clock_mhz()] * n),
         )
-        power_instant = GaugeMetricFamily(
-            "DCGM_FI_DEV_POWER_USAGE_INSTANT", "Instant power draw (in W).", labels=gpu_labels
-        )
-        energy = GaugeMetricFamily(
-            "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
-            "Total energy consumption since start (in mJ).",
-            labels=gpu_labels,
-        )
-        for i, lab in enumerate(per_gpu):
-            power.add_metric(lab, avg_w[i])
-            power_instant.add_metric(lab, instant[i])
-            energy.add_metric(lab, energy_mj[i])
-        clock = GaugeMetricFamily(
-            "DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz).", labels=gpu_labels
-        )
-        for lab in per_gpu:  # the set steps in lockstep: one clock for all
-            clock.add_metric(lab, e.sm_clock_mhz())
-        return [power, power_instant, energy, _power_limit_metric(e, gpu_labels, per_gpu), clock]
-
-
-def _power_limit_metric(
-    engine: SimEngine, labels: list[str], per_gpu: list[list[str]]
-) -> GaugeMetricFamily:
-    """Each GPU's power limit in force, under dcgm-exporter's name for it."""
-    limit = GaugeMetricFamily(
-        "DCGM_FI_DEV_POWER_MGMT_LIMIT", "Power management limit (in W).", labels=labels
-    )
-    for lab, limit_w in zip(per_gpu, engine.gpu_power_limits_w, strict=True):
-        limit.add_metric(lab, limit_w)
-    return limit
+        out: list[Metric] = []
+        for name, doc, values in fields:
+            family = GaugeMetricFamily(name, doc, labels=gpu_labels)
+            for lab, value in zip(per_gpu, values, strict=True):
+                family.add_metric(lab, value)
+            out.append(family)
+        return out
 
 
 # ---- app -------------------------------------------------------------------------------------
