@@ -41,6 +41,7 @@ import aiohttp
 import numpy as np
 
 from powerbatch.cli.bench import serve_args
+from powerbatch.cli.extras import pyplot
 from powerbatch.cli.process import Child, free_port
 from powerbatch.cli.report import power_1s
 from powerbatch.cli.stack import add_dcgm_interval_argument, add_slo_arguments, exporter_metric
@@ -578,10 +579,7 @@ def goodput_ratios(res: dict[str, Any]) -> dict[str, Any]:
 
 def plot(res: dict[str, Any], a: argparse.Namespace, path: Path) -> None:
     """The first repeat of each arm: per-member share and power, total against the budget."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     arms = [arm for arm in ARMS if res.get(arm)]
     fig, axes = plt.subplots(len(arms), 1, figsize=(11, 3.4 * len(arms)), sharex=True)

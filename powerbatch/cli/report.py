@@ -12,7 +12,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from powerbatch.admission import PRIORITIES
-from powerbatch.cli.extras import require_cli_extra
+from powerbatch.cli.extras import pyplot, require_cli_extra
 from powerbatch.cli.stats import pct
 from powerbatch.load import LoadProfile, RequestResult
 
@@ -180,10 +180,7 @@ def summarize(run: RunData, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, A
 def plot_runs(runs: list[RunData], path: Path, title: str) -> Path:
     """Power against the ceiling per run, and the batch limit where a proxy was in front."""
     require_cli_extra("plotting", ("matplotlib",))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     has_hist = any(r.history for r in runs)
     fig, axes = plt.subplots(
@@ -245,10 +242,7 @@ def plot_summary(
 ) -> Path:
     """Power distribution, p95 TTFT per class, and J per token, per arm over all repeats."""
     require_cli_extra("plotting", ("matplotlib",))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     arms = list(runs)
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from powerbatch.cli.bench import run_traces, serve_args
-from powerbatch.cli.extras import require_cli_extra
+from powerbatch.cli.extras import pyplot, require_cli_extra
 from powerbatch.cli.process import Child
 from powerbatch.cli.report import RunData, plot_runs, summarize
 from powerbatch.cli.stack import Stack
@@ -352,10 +352,7 @@ def plot_distributions(
 ) -> Path:
     """One panel per figure: each scenario's value per arm, with the median marked."""
     require_cli_extra("plotting", ("matplotlib",))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     keys = ["over_pct", *FIGURES]
     labels = {"over_pct": "seconds over the ceiling, %", **{k: v[0] for k, v in FIGURES.items()}}
