@@ -40,7 +40,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from powerbatch.cli.bench import serve_args
+from powerbatch.cli.bench import fetch_json, serve_args
 from powerbatch.cli.extras import pyplot
 from powerbatch.cli.process import Child, free_port
 from powerbatch.cli.report import power_1s
@@ -295,11 +295,9 @@ async def run_arm(arm: str, a: argparse.Namespace, seed: int, log_dir: Path) -> 
         await asyncio.sleep(a.settle_s or 0.0)  # every arm alike: past a proxy's warm-up
         plan_for = getattr(a, "plan_for", None) or profile_for
         plans = [plan_for(i, a, seed) for i in range(n)]
-        starts = []  # each counter before the load: a server with no step in the run reads idle
+        # Each counter before the load: a server with no step in the run reads idle.
         async with aiohttp.ClientSession() as s:
-            for su in sim_urls:
-                async with s.get(f"{su}/sim/state") as r:
-                    starts.append(await r.json())
+            starts = [await fetch_json(s, f"{su}/sim/state") for su in sim_urls]
         t0 = time.monotonic()
         stop = asyncio.Event()
         poller = asyncio.create_task(
@@ -331,10 +329,8 @@ async def run_arm(arm: str, a: argparse.Namespace, seed: int, log_dir: Path) -> 
         traces = []
         async with aiohttp.ClientSession() as s:
             for su, start in zip(sim_urls, starts, strict=True):
-                async with s.get(f"{su}/sim/trace?since_s={t0 - 1}") as r:
-                    trace = await r.json()
-                async with s.get(f"{su}/sim/state") as r:
-                    state = await r.json()
+                trace = await fetch_json(s, f"{su}/sim/trace?since_s={t0 - 1}")
+                state = await fetch_json(s, f"{su}/sim/state")
                 traces.append(with_energy_now(trace, state, start))
     finally:
         for c in proxies:
