@@ -371,11 +371,8 @@ class _Handlers:
         head = {"id": rid, "object": obj, "created": created, "model": self.model_name}
 
         def chunk(text: str, finish: str | None) -> bytes:
-            choice: dict[str, Any] = (
-                {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
-                if chat
-                else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            )
+            out = {"delta": {"content": text}} if chat else {"text": text}
+            choice = {"index": 0, **out, "logprobs": None, "finish_reason": finish}
             return _sse({**head, "choices": [choice]})
 
         with contextlib.suppress(ConnectionResetError):
