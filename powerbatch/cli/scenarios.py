@@ -564,6 +564,7 @@ def _sim_main(argv: list[str]) -> int:
     plant from F and the meter's lag; the flags `Stack` passes, no others."""
     import logging
 
+    from powerbatch.cli.main import _lock_arg
     from powerbatch.sim import run_sim_server
 
     p = argparse.ArgumentParser(prog="powerbatch.cli.scenarios sim")
@@ -582,10 +583,6 @@ def _sim_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     plant = Plant.from_json(json.loads(a.plant_file.read_text()))
     profile = replace(plant.profile, cap_by_clock=True) if a.cap_by_clock else plant.profile
-    lock = None
-    if a.lock_clocks_mhz:
-        lo, hi = (int(x) for x in a.lock_clocks_mhz.split(","))
-        lock = (lo, hi)
     logging.basicConfig(level=logging.WARNING)
     try:
         asyncio.run(
@@ -599,7 +596,7 @@ def _sim_main(argv: list[str]) -> int:
                 seed=a.seed,
                 dcgm_interval_s=a.dcgm_interval_s,
                 dcgm_lag_s=a.dcgm_lag_s,
-                locked_clocks_mhz=lock,
+                locked_clocks_mhz=_lock_arg(a.lock_clocks_mhz),
             )
         )
     except KeyboardInterrupt:
