@@ -9,8 +9,7 @@ Classes defined elsewhere name their module in brackets; all derive from a class
     │   └── SourceMissing           [powerbatch_vllm.surface] no vLLM scheduler source to check
     ├── TelemetryError              a power reading could not be had
     │   ├── SensorUnavailable       no device / endpoint / library (e.g. no NVML driver)
-    │   ├── SensorReadError         the source answered, but not with a usable sample
-    │   └── StaleSample             the newest sample is older than allowed
+    │   └── SensorReadError         the source answered, but not with a usable sample
     ├── PowerLimitError             the hardware power limit could not be read, set or restored
     │   ├── LimiterUnavailable      no backend: daemon unreachable, no NVML, no such GPU
     │   ├── LimiterPermissionDenied the backend refused: bad or missing token, no CAP_SYS_ADMIN
@@ -59,10 +58,6 @@ class SensorUnavailable(TelemetryError):
 
 class SensorReadError(TelemetryError):
     """The source answered but gave nothing usable (parse error, missing metric, NaN)."""
-
-
-class StaleSample(TelemetryError):
-    """The newest sample is older than the configured staleness limit."""
 
 
 class PowerLimitError(PowerbatchError):

@@ -45,16 +45,13 @@ class Rejected(RequestError):
 class Slot:
     """One request's place upstream. `release()` is idempotent; the first call frees the place."""
 
-    __slots__ = ("_queue", "kv_tokens", "priority", "released", "requests", "t_granted_s")
+    __slots__ = ("_queue", "kv_tokens", "priority", "released", "requests")
 
-    def __init__(
-        self, queue: AdmissionQueue, priority: str, kv_tokens: int, t_s: float, requests: int = 1
-    ):
+    def __init__(self, queue: AdmissionQueue, priority: str, kv_tokens: int, requests: int = 1):
         self._queue = queue
         self.priority = priority
         self.kv_tokens = kv_tokens
         self.requests = requests
-        self.t_granted_s = t_s
         self.released = False
 
     def release(self) -> None:
@@ -312,7 +309,7 @@ class AdmissionQueue:
             dt = min(max(now - max(self._last_grant_t, waited_since_s), 0.0), 60.0)
             self._grant_interval_s = ewma_step(self._grant_interval_s, dt, 0.2)
         self._last_grant_t = now
-        return Slot(self, priority, kv_tokens, now, requests)
+        return Slot(self, priority, kv_tokens, requests)
 
     def _on_release(self, slot: Slot) -> None:
         self.in_flight -= slot.requests

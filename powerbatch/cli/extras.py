@@ -8,6 +8,7 @@ first and fail with an install hint rather than an ImportError halfway through a
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from powerbatch.errors import MissingExtra
 
@@ -27,3 +28,13 @@ def require_cli_extra(purpose: str, modules: tuple[str, ...] = CLI_MODULES) -> N
             f"{purpose} needs {' and '.join(missing)}, which powerbatch's `cli` extra installs: "
             "pip install 'powerbatch[cli]'"
         )
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend: plots go to files, never to a window."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -40,7 +40,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from powerbatch.cli.bench import serve_args
+from powerbatch.cli.bench import fetch_json, serve_args
+from powerbatch.cli.extras import pyplot
 from powerbatch.cli.process import Child, free_port
 from powerbatch.cli.report import power_1s
 from powerbatch.cli.stack import add_dcgm_interval_argument, add_slo_arguments, exporter_metric
@@ -294,11 +295,9 @@ async def run_arm(arm: str, a: argparse.Namespace, seed: int, log_dir: Path) -> 
         await asyncio.sleep(a.settle_s or 0.0)  # every arm alike: past a proxy's warm-up
         plan_for = getattr(a, "plan_for", None) or profile_for
         plans = [plan_for(i, a, seed) for i in range(n)]
-        starts = []  # each counter before the load: a server with no step in the run reads idle
+        # Each counter before the load: a server with no step in the run reads idle.
         async with aiohttp.ClientSession() as s:
-            for su in sim_urls:
-                async with s.get(f"{su}/sim/state") as r:
-                    starts.append(await r.json())
+            starts = [await fetch_json(s, f"{su}/sim/state") for su in sim_urls]
         t0 = time.monotonic()
         stop = asyncio.Event()
         poller = asyncio.create_task(
@@ -330,10 +329,8 @@ async def run_arm(arm: str, a: argparse.Namespace, seed: int, log_dir: Path) -> 
         traces = []
         async with aiohttp.ClientSession() as s:
             for su, start in zip(sim_urls, starts, strict=True):
-                async with s.get(f"{su}/sim/trace?since_s={t0 - 1}") as r:
-                    trace = await r.json()
-                async with s.get(f"{su}/sim/state") as r:
-                    state = await r.json()
+                trace = await fetch_json(s, f"{su}/sim/trace?since_s={t0 - 1}")
+                state = await fetch_json(s, f"{su}/sim/state")
                 traces.append(with_energy_now(trace, state, start))
     finally:
         for c in proxies:
@@ -366,13 +363,6 @@ def with_energy_now(
     return out
 
 
-def within_slo(r: RequestResult, a: argparse.Namespace) -> bool:
-    """Goodput counts a request that finished with its first token and every later one in time."""
-    if not r.ok or r.ttft_s is None or r.ttft_s > a.ttft_slo_s:
-        return False
-    return r.tpot_s is None or r.tpot_s <= a.tpot_slo_s
-
-
 def summarize(
     arm: str,
     a: argparse.Namespace,
@@ -388,6 +378,7 @@ def summarize(
     total = np.sum([p[:k] for p in per], axis=0)
     over = total > a.budget_w * (1 + OVER_TOLERANCE)
     queued = queued_seconds(rows, sim_rows or [], k)
+    slo = (a.ttft_slo_s, a.tpot_slo_s)
     good = 0
     hot_good = 0
     hot_ttft: list[float] = []
@@ -398,7 +389,7 @@ def summarize(
             hot = hot_member(r.t_start_s, a) == i
             w = min(int(r.t_start_s // a.hot_period_s), windows_n - 1)
             by_window[w, i, 1] += 1
-            if within_slo(r, a):
+            if r.within_slo(*slo):
                 good += 1
                 hot_good += hot
                 by_window[w, i, 0] += 1
@@ -431,7 +422,7 @@ def summarize(
         "status_rows": rows,
         # per request: member, start (s), priority, HTTP status, TTFT, time per token, within SLO
         "request_rows": [
-            [i, round(r.t_start_s, 3), r.priority, r.status, r.ttft_s, r.tpot_s, within_slo(r, a)]
+            [i, round(r.t_start_s, 3), r.priority, r.status, r.ttft_s, r.tpot_s, r.within_slo(*slo)]
             for i, rs in enumerate(results)
             for r in rs
         ],
@@ -447,12 +438,10 @@ def queued_seconds(
     """Whole seconds in which some member had work waiting: in its proxy's queue or, where a
     server has no proxy (or its batch is full), in its engine's."""
     mask = np.zeros(n_seconds, bool)
-    for r in rows:
-        if (r.get("queued") or 0) > 0 and 0 <= r["t_s"] < n_seconds:
-            mask[int(r["t_s"])] = True
-    for r in sim_rows:
-        if (r.get("sim_waiting") or 0) > 0 and 0 <= r["t_s"] < n_seconds:
-            mask[int(r["t_s"])] = True
+    for rs, key in ((rows, "queued"), (sim_rows, "sim_waiting")):
+        for r in rs:
+            if (r.get(key) or 0) > 0 and 0 <= r["t_s"] < n_seconds:
+                mask[int(r["t_s"])] = True
     return mask
 
 
@@ -586,10 +575,7 @@ def goodput_ratios(res: dict[str, Any]) -> dict[str, Any]:
 
 def plot(res: dict[str, Any], a: argparse.Namespace, path: Path) -> None:
     """The first repeat of each arm: per-member share and power, total against the budget."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     arms = [arm for arm in ARMS if res.get(arm)]
     fig, axes = plt.subplots(len(arms), 1, figsize=(11, 3.4 * len(arms)), sharex=True)

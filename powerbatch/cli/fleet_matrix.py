@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from powerbatch.cli import fleet_bench
+from powerbatch.cli.extras import pyplot
 from powerbatch.cli.stack import slo_default_s
 from powerbatch.load.drawn import DIURNAL_SHAPE
 from powerbatch.load.profile import LoadProfile, Phase, PlannedRequest
@@ -478,10 +479,7 @@ def overall(summaries: list[dict[str, Any]]) -> dict[str, Any]:
 def plot(summaries: list[dict[str, Any]], path: Path) -> None:
     """Per case: goodput over the static split (mean, range of repeats) for both fleet arms,
     and power while work waits over the budget for all three."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [s["case"]["name"] for s in summaries]
     x = np.arange(len(names))

@@ -12,7 +12,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from powerbatch.admission import PRIORITIES
-from powerbatch.cli.extras import require_cli_extra
+from powerbatch.cli.extras import pyplot, require_cli_extra
 from powerbatch.cli.stats import pct
 from powerbatch.load import LoadProfile, RequestResult
 
@@ -126,13 +126,7 @@ def summarize(run: RunData, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, A
     e_cum = np.asarray(run.trace["energy_j"], float)
     energy_j = float(np.interp(run.t0_s + end_s, t_end, e_cum) - np.interp(run.t0_s, t_end, e_cum))
     tokens = sum(r.output_tokens for r in ok)
-    good = [
-        r
-        for r in ok
-        if r.ttft_s is not None
-        and r.ttft_s <= ttft_slo_s
-        and (r.tpot_s is None or r.tpot_s <= tpot_slo_s)
-    ]
+    good = [r for r in ok if r.within_slo(ttft_slo_s, tpot_slo_s)]
     latency: dict[str, dict[str, float | None]] = {}
     for p in PRIORITIES:
         ttft = [r.ttft_s for r in ok if r.priority == p and r.ttft_s is not None]
@@ -186,10 +180,7 @@ def summarize(run: RunData, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, A
 def plot_runs(runs: list[RunData], path: Path, title: str) -> Path:
     """Power against the ceiling per run, and the batch limit where a proxy was in front."""
     require_cli_extra("plotting", ("matplotlib",))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     has_hist = any(r.history for r in runs)
     fig, axes = plt.subplots(
@@ -251,10 +242,7 @@ def plot_summary(
 ) -> Path:
     """Power distribution, p95 TTFT per class, and J per token, per arm over all repeats."""
     require_cli_extra("plotting", ("matplotlib",))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     arms = list(runs)
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from powerbatch.cli.bench import run_traces, serve_args
-from powerbatch.cli.extras import require_cli_extra
+from powerbatch.cli.extras import pyplot, require_cli_extra
 from powerbatch.cli.process import Child
 from powerbatch.cli.report import RunData, plot_runs, summarize
 from powerbatch.cli.stack import Stack
@@ -352,10 +352,7 @@ def plot_distributions(
 ) -> Path:
     """One panel per figure: each scenario's value per arm, with the median marked."""
     require_cli_extra("plotting", ("matplotlib",))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     keys = ["over_pct", *FIGURES]
     labels = {"over_pct": "seconds over the ceiling, %", **{k: v[0] for k, v in FIGURES.items()}}
@@ -567,6 +564,7 @@ def _sim_main(argv: list[str]) -> int:
     plant from F and the meter's lag; the flags `Stack` passes, no others."""
     import logging
 
+    from powerbatch.cli.main import _lock_arg
     from powerbatch.sim import run_sim_server
 
     p = argparse.ArgumentParser(prog="powerbatch.cli.scenarios sim")
@@ -585,10 +583,6 @@ def _sim_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     plant = Plant.from_json(json.loads(a.plant_file.read_text()))
     profile = replace(plant.profile, cap_by_clock=True) if a.cap_by_clock else plant.profile
-    lock = None
-    if a.lock_clocks_mhz:
-        lo, hi = (int(x) for x in a.lock_clocks_mhz.split(","))
-        lock = (lo, hi)
     logging.basicConfig(level=logging.WARNING)
     try:
         asyncio.run(
@@ -602,7 +596,7 @@ def _sim_main(argv: list[str]) -> int:
                 seed=a.seed,
                 dcgm_interval_s=a.dcgm_interval_s,
                 dcgm_lag_s=a.dcgm_lag_s,
-                locked_clocks_mhz=lock,
+                locked_clocks_mhz=_lock_arg(a.lock_clocks_mhz),
             )
         )
     except KeyboardInterrupt:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from powerbatch.cli.extras import pyplot
 from powerbatch.cli.report import RunData, power_1s
 
 
@@ -118,10 +119,7 @@ ROWS: tuple[tuple[str, str, str], ...] = (
 
 def plot_plan(runs: list[RunData], path: Any, title: str) -> Any:
     """Measured 1-s power against the planned power (the proxy's history) per shaped run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(11, 4.5))
     for run in runs:

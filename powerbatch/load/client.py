@@ -41,6 +41,13 @@ class RequestResult:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
+    def within_slo(self, ttft_slo_s: float, tpot_slo_s: float) -> bool:
+        """Goodput counts a request that finished with its first token and every later one in
+        time."""
+        if not self.ok or self.ttft_s is None or self.ttft_s > ttft_slo_s:
+            return False
+        return self.tpot_s is None or self.tpot_s <= tpot_slo_s
+
 
 def chat_body(req: PlannedRequest, model: str) -> bytes:
     body = {
@@ -68,6 +75,22 @@ async def send_one(
         headers["Authorization"] = f"Bearer {api_key}"
     ttft: float | None = None
     tokens = 0
+
+    def result(
+        status: int,
+        ttft_s: float | None,
+        error: str | None = None,
+        *,
+        e2e_s: float | None = None,
+        energy_j: float | None = None,
+    ) -> RequestResult:
+        """What the user saw, ended now (or at `e2e_s`)."""
+        e2e = time.monotonic() - t0 if e2e_s is None else e2e_s
+        start_s, prompt = t0 - t_run0, req.prompt_tokens
+        return RequestResult(
+            start_s, req.priority, req.phase, status, ttft_s, e2e, prompt, tokens, error, energy_j
+        )
+
     try:
         async with session.post(
             base_url.rstrip("/") + "/v1/chat/completions",
@@ -76,34 +99,15 @@ async def send_one(
         ) as resp:
             if resp.status != 200:
                 text = await resp.text()
-                return RequestResult(
-                    t0 - t_run0,
-                    req.priority,
-                    req.phase,
-                    resp.status,
-                    None,
-                    time.monotonic() - t0,
-                    req.prompt_tokens,
-                    0,
-                    text[:200],
-                )
+                return result(resp.status, None, text[:200])
             if not req.stream:
                 payload = await resp.json()
                 e2e = time.monotonic() - t0
                 usage = payload.get("usage") or {}
                 tokens = int(usage.get("completion_tokens", 0))
                 energy = usage.get("energy_j")
-                return RequestResult(
-                    t0 - t_run0,
-                    req.priority,
-                    req.phase,
-                    200,
-                    e2e,
-                    e2e,
-                    req.prompt_tokens,
-                    tokens,
-                    energy_j=float(energy) if isinstance(energy, int | float) else None,
-                )
+                joules = float(energy) if isinstance(energy, int | float) else None
+                return result(200, e2e, e2e_s=e2e, energy_j=joules)
             tail = b""
             async for chunk in resp.content.iter_any():
                 if ttft is None and _FIRST_TOKEN.search(chunk):
@@ -113,30 +117,9 @@ async def send_one(
             if b'"error"' in tail:
                 error = "error event in stream"
             tokens = usage_completion_tokens(tail) or 0
-            return RequestResult(
-                t0 - t_run0,
-                req.priority,
-                req.phase,
-                599 if error else 200,
-                ttft,
-                time.monotonic() - t0,
-                req.prompt_tokens,
-                tokens,
-                error,
-                energy_j=tail_energy_j(tail),
-            )
+            return result(599 if error else 200, ttft, error, energy_j=tail_energy_j(tail))
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        return RequestResult(
-            t0 - t_run0,
-            req.priority,
-            req.phase,
-            0,
-            ttft,
-            time.monotonic() - t0,
-            req.prompt_tokens,
-            tokens,
-            f"{type(exc).__name__}: {exc}",
-        )
+        return result(0, ttft, f"{type(exc).__name__}: {exc}")
 
 
 async def run_load(

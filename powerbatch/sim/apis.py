@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from powerbatch.sim.engine import EngineStopped, QueueFull, RequestTooLarge, SimRequest
+from powerbatch.sim.engine import EngineStopped, SimRequest
 
 if TYPE_CHECKING:
     from powerbatch.sim.server import _Handlers
@@ -71,14 +71,8 @@ class SimApis:
         return self.server.ApiError(status, message, param=param)
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        body = await self.server._json_body(request)
-        if not isinstance(body, dict):
-            raise self._error(400, "request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.h.model_name:
-            raise self.server.ApiError(
-                404, f"The model `{model}` does not exist.", param="model", err_type="NotFoundError"
-            )
+        body: dict[str, Any] = await self.server._json_body(request)
+        self.server._check_model(body, self.h.model_name)
         return body
 
     def _max_tokens(self, body: dict[str, Any], key: str, *, required: bool = False) -> int:
@@ -105,22 +99,10 @@ class SimApis:
                 f"This model's maximum context length is {limit} tokens. "
                 f"However, your prompt has {prompt_tokens} tokens.",
             )
-        try:
-            return self.h.engine.add_request(prompt_tokens, min(max_tokens, limit - prompt_tokens))
-        except (QueueFull, EngineStopped) as exc:
-            raise self.server.ApiError(503, str(exc), err_type="ServiceUnavailableError") from exc
-        except RequestTooLarge as exc:
-            raise self._error(400, str(exc)) from exc
+        return self.h._submit(prompt_tokens, min(max_tokens, limit - prompt_tokens))
 
     async def _finish(self, req: SimRequest) -> None:
-        try:
-            await req.wait_tokens(req.max_tokens)
-        except EngineStopped as exc:
-            raise self.server.ApiError(503, str(exc), err_type="ServiceUnavailableError") from exc
-        if req.finish_reason != "length":
-            raise self.server.ApiError(
-                500, f"request ended early: {req.finish_reason}", err_type="InternalError"
-            )
+        await self.h._finish(req, req.max_tokens, "length")
 
     async def _deltas(self, req: SimRequest, write: Callable[[str], Awaitable[None]]) -> None:
         """Write the output as it is made, one delta per `stream_interval_tokens`."""
@@ -136,14 +118,7 @@ class SimApis:
                 return
 
     async def _sse(self, request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream; charset=utf-8",
-                "Cache-Control": "no-cache",
-            }
-        )
-        await resp.prepare(request)
-        return resp
+        return await self.server._event_stream(request)
 
     def _guard(self, reqs: list[SimRequest]) -> contextlib.AbstractContextManager[None]:
         engine = self.h.engine
@@ -367,34 +342,7 @@ class SimApis:
                 reqs.append(self._submit(max(1, _text_chars(conv) // 4), max_tokens))
             for req in reqs:
                 await self._finish(req)
-        prompt = sum(r.prompt_tokens for r in reqs)
-        out = sum(r.num_output for r in reqs)
-        return web.json_response(
-            {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": self.h.model_name,
-                "choices": [
-                    {
-                        "index": i,
-                        "message": {
-                            "role": "assistant",
-                            "content": self.server._filler(0, r.num_output),
-                        },
-                        "logprobs": None,
-                        "finish_reason": "length",
-                        "stop_reason": None,
-                    }
-                    for i, r in enumerate(reqs)
-                ],
-                "usage": {
-                    "prompt_tokens": prompt,
-                    "completion_tokens": out,
-                    "total_tokens": prompt + out,
-                },
-            }
-        )
+        return web.json_response(self.server._completion(self.h.model_name, reqs, chat=True))
 
     # ---- /v1/audio/* ---------------------------------------------------------------------
 
@@ -472,13 +420,7 @@ class SimApis:
                 end = {"delta": {"content": ""}, "finish_reason": "length"}
                 await resp.write(self.server._sse({**head, "choices": [end]}))
                 if usage_too:
-                    prompt = sum(r.prompt_tokens for r in reqs)
-                    out = sum(r.num_output for r in reqs)
-                    usage = {
-                        "prompt_tokens": prompt,
-                        "completion_tokens": out,
-                        "total_tokens": prompt + out,
-                    }
+                    usage = self.server._usage(*reqs)
                     await resp.write(self.server._sse({**head, "choices": [], "usage": usage}))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()

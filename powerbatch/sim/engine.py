@@ -100,7 +100,6 @@ class SimRequest:
         "arrival_s",
         "blocks",
         "finish_reason",
-        "finish_s",
         "first_token_s",
         "max_tokens",
         "num_computed",
@@ -130,7 +129,6 @@ class SimRequest:
         self.blocks = 0
         self.preemptions = 0
         self.first_token_s: float | None = None
-        self.finish_s: float | None = None
         self.finish_reason: str | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._notify_at = 0
@@ -217,7 +215,6 @@ class SimEngine:
         # Per GPU (min, max) locked SM clock, MHz; None: the driver's default policy (unlocked).
         self._locked_mhz: list[tuple[int, int] | None] = [None] * self.profile.num_gpus
         self._sm_clock_mhz = float(self.profile.sm_clock_min_mhz)  # now: idle
-        self.clock_changes_total = 0
         self._noise_w = [0.0] * self.profile.num_gpus  # OU state, where noise_tau_s > 0
         self._noise_t_s: float | None = None
         if power_limit_w is not None:
@@ -327,14 +324,11 @@ class SimEngine:
                 f"got {min_mhz}..{max_mhz}"
             )
         self._locked_mhz[gpu] = (int(min_mhz), int(max_mhz))
-        self.clock_changes_total += 1
 
     def reset_gpu_locked_clocks(self, gpu: int) -> None:
         """Back to the driver's default policy (nvmlDeviceResetGpuLockedClocks)."""
         if not 0 <= gpu < self.profile.num_gpus:
             raise ClockError(f"GPU index {gpu} does not exist")
-        if self._locked_mhz[gpu] is not None:
-            self.clock_changes_total += 1
         self._locked_mhz[gpu] = None
 
     def locked_top_mhz(self) -> float | None:
@@ -400,7 +394,6 @@ class SimEngine:
         self._free_blocks += req.blocks
         req.blocks = 0
         req.finish_reason = reason
-        req.finish_s = time.monotonic()
         self._by_id.pop(req.request_id, None)
         req._notify(force=True)
 

@@ -168,7 +168,8 @@ def _completion_prompt_tokens(body: dict[str, Any]) -> int:
     )
 
 
-def _parse(body: Any, *, chat: bool, model_name: str, max_model_len: int) -> _Parsed:
+def _check_model(body: Any, model_name: str) -> None:
+    """A JSON object, for this model if it names one."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     model = body.get("model")
@@ -176,6 +177,10 @@ def _parse(body: Any, *, chat: bool, model_name: str, max_model_len: int) -> _Pa
         raise ApiError(
             404, f"The model `{model}` does not exist.", param="model", err_type="NotFoundError"
         )
+
+
+def _parse(body: Any, *, chat: bool, model_name: str, max_model_len: int) -> _Parsed:
+    _check_model(body, model_name)
     n = body.get("n")
     if n is not None and n != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
@@ -215,13 +220,7 @@ EMBEDDING_DIM = 8
 
 def _embedding_inputs(body: Any, *, model_name: str, max_model_len: int) -> list[int]:
     """Prompt tokens of each input of an embeddings request (vLLM's /v1/embeddings shapes)."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise ApiError(
-            404, f"The model `{model}` does not exist.", param="model", err_type="NotFoundError"
-        )
+    _check_model(body, model_name)
     fmt = body.get("encoding_format", "float")
     if fmt != "float":
         raise ApiError(400, "the simulator only answers encoding_format 'float'", param="input")
@@ -272,12 +271,35 @@ async def _json_body(request: web.Request) -> Any:
 # ---- completions -----------------------------------------------------------------------------
 
 
-def _usage(req: SimRequest) -> dict[str, int]:
+def _usage(*reqs: SimRequest) -> dict[str, int]:
+    prompt, out = sum(r.prompt_tokens for r in reqs), sum(r.num_output for r in reqs)
+    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
+
+
+def _completion(model_name: str, reqs: list[SimRequest], *, chat: bool) -> dict[str, Any]:
+    """A whole (chat) completion, one choice per finished request."""
+    choices = []
+    for i, req in enumerate(reqs):
+        text = _filler(0, req.num_output)
+        out = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        end = {"logprobs": None, "finish_reason": "length", "stop_reason": None}
+        choices.append({"index": i, **out, **end})
     return {
-        "prompt_tokens": req.prompt_tokens,
-        "completion_tokens": req.num_output,
-        "total_tokens": req.prompt_tokens + req.num_output,
+        "id": f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": choices,
+        "usage": _usage(*reqs),
     }
+
+
+async def _event_stream(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    return resp
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -293,15 +315,25 @@ class _Handlers:
         self.interval = stream_interval_tokens
         self.max_model_len = max_model_len
 
-    def _submit(self, parsed: _Parsed) -> SimRequest:
+    def _submit(self, prompt_tokens: int, max_tokens: int, pooling: bool = False) -> SimRequest:
         try:
-            return self.engine.add_request(parsed.prompt_tokens, parsed.max_tokens)
-        except QueueFull as exc:
-            raise ApiError(503, str(exc), err_type="ServiceUnavailableError") from exc
-        except EngineStopped as exc:
+            return self.engine.add_request(prompt_tokens, max_tokens, pooling=pooling)
+        except (QueueFull, EngineStopped) as exc:
             raise ApiError(503, str(exc), err_type="ServiceUnavailableError") from exc
         except RequestTooLarge as exc:
             raise ApiError(400, str(exc)) from exc
+
+    @staticmethod
+    async def _finish(req: SimRequest, tokens: int, reason: str) -> None:
+        """Wait for `tokens` outputs; a 503 if the engine stops, a 500 for another ending."""
+        try:
+            await req.wait_tokens(tokens)
+        except EngineStopped as exc:
+            raise ApiError(503, str(exc), err_type="ServiceUnavailableError") from exc
+        if req.finish_reason != reason:
+            raise ApiError(
+                500, f"request ended early: {req.finish_reason}", err_type="InternalError"
+            )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, chat=True)
@@ -316,7 +348,7 @@ class _Handlers:
             model_name=self.model_name,
             max_model_len=self.max_model_len,
         )
-        req = self._submit(parsed)
+        req = self._submit(parsed.prompt_tokens, parsed.max_tokens)
         try:
             if parsed.stream:
                 return await self._stream(request, req, parsed, chat=chat)
@@ -326,73 +358,21 @@ class _Handlers:
                 self.engine.abort(req)
 
     async def _whole(self, req: SimRequest, *, chat: bool) -> web.StreamResponse:
-        try:
-            await req.wait_tokens(req.max_tokens)
-        except EngineStopped as exc:
-            raise ApiError(503, str(exc), err_type="ServiceUnavailableError") from exc
-        if req.finish_reason != "length":
-            raise ApiError(
-                500, f"request ended early: {req.finish_reason}", err_type="InternalError"
-            )
-        text = _filler(0, req.num_output)
-        created = int(time.time())
-        if chat:
-            body: dict[str, Any] = {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": None,
-                        "finish_reason": "length",
-                        "stop_reason": None,
-                    }
-                ],
-                "usage": _usage(req),
-            }
-        else:
-            body = {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": text,
-                        "logprobs": None,
-                        "finish_reason": "length",
-                        "stop_reason": None,
-                    }
-                ],
-                "usage": _usage(req),
-            }
-        return web.json_response(body)
+        await self._finish(req, req.max_tokens, "length")
+        return web.json_response(_completion(self.model_name, [req], chat=chat))
 
     async def _stream(
         self, request: web.Request, req: SimRequest, parsed: _Parsed, *, chat: bool
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream; charset=utf-8",
-                "Cache-Control": "no-cache",
-            }
-        )
-        await resp.prepare(request)
+        resp = await _event_stream(request)
         rid = f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}"
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         head = {"id": rid, "object": obj, "created": created, "model": self.model_name}
 
         def chunk(text: str, finish: str | None) -> bytes:
-            choice: dict[str, Any] = (
-                {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
-                if chat
-                else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            )
+            out = {"delta": {"content": text}} if chat else {"text": text}
+            choice = {"index": 0, **out, "logprobs": None, "finish_reason": finish}
             return _sse({**head, "choices": [choice]})
 
         with contextlib.suppress(ConnectionResetError):
@@ -430,21 +410,9 @@ class _Handlers:
         reqs: list[SimRequest] = []
         try:
             for n in sizes:
-                try:
-                    reqs.append(self.engine.add_request(n, 0, pooling=True))
-                except (QueueFull, EngineStopped) as exc:
-                    raise ApiError(503, str(exc), err_type="ServiceUnavailableError") from exc
-                except RequestTooLarge as exc:
-                    raise ApiError(400, str(exc)) from exc
+                reqs.append(self._submit(n, 0, pooling=True))
             for req in reqs:
-                try:
-                    await req.wait_tokens(1)
-                except EngineStopped as exc:
-                    raise ApiError(503, str(exc), err_type="ServiceUnavailableError") from exc
-                if req.finish_reason != "stop":
-                    raise ApiError(
-                        500, f"request ended early: {req.finish_reason}", err_type="InternalError"
-                    )
+                await self._finish(req, 1, "stop")
         finally:
             for req in reqs:
                 if not req.finished:  # the client went away
@@ -625,39 +593,29 @@ class _SimCollector(Collector):
             energy_mj = [e.energy_j() * 1000.0 * s for s in profile.shares()]
         else:
             energy_mj = [e.energy_j() * 1000.0 / n] * n
-        power = GaugeMetricFamily(
-            "DCGM_FI_DEV_POWER_USAGE", "Power draw (in W), 1-second average.", labels=gpu_labels
+        fields = (
+            ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W), 1-second average.", avg_w),
+            ("DCGM_FI_DEV_POWER_USAGE_INSTANT", "Instant power draw (in W).", instant),
+            (
+                "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
+                "Total energy consumption since start (in mJ).",
+                energy_mj,
+            ),
+            (
+                "DCGM_FI_DEV_POWER_MGMT_LIMIT",
+                "Power management limit (in W).",
+                e.gpu_power_limits_w,
+            ),
+            # The set steps in lockstep: one clock for all.
+            ("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz).", [e.sm_clock_mhz()] * n),
         )
-        power_instant = GaugeMetricFamily(
-            "DCGM_FI_DEV_POWER_USAGE_INSTANT", "Instant power draw (in W).", labels=gpu_labels
-        )
-        energy = GaugeMetricFamily(
-            "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION",
-            "Total energy consumption since start (in mJ).",
-            labels=gpu_labels,
-        )
-        for i, lab in enumerate(per_gpu):
-            power.add_metric(lab, avg_w[i])
-            power_instant.add_metric(lab, instant[i])
-            energy.add_metric(lab, energy_mj[i])
-        clock = GaugeMetricFamily(
-            "DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz).", labels=gpu_labels
-        )
-        for lab in per_gpu:  # the set steps in lockstep: one clock for all
-            clock.add_metric(lab, e.sm_clock_mhz())
-        return [power, power_instant, energy, _power_limit_metric(e, gpu_labels, per_gpu), clock]
-
-
-def _power_limit_metric(
-    engine: SimEngine, labels: list[str], per_gpu: list[list[str]]
-) -> GaugeMetricFamily:
-    """Each GPU's power limit in force, under dcgm-exporter's name for it."""
-    limit = GaugeMetricFamily(
-        "DCGM_FI_DEV_POWER_MGMT_LIMIT", "Power management limit (in W).", labels=labels
-    )
-    for lab, limit_w in zip(per_gpu, engine.gpu_power_limits_w, strict=True):
-        limit.add_metric(lab, limit_w)
-    return limit
+        out: list[Metric] = []
+        for name, doc, values in fields:
+            family = GaugeMetricFamily(name, doc, labels=gpu_labels)
+            for lab, value in zip(per_gpu, values, strict=True):
+                family.add_metric(lab, value)
+            out.append(family)
+        return out
 
 
 # ---- app -------------------------------------------------------------------------------------

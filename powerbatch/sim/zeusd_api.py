@@ -154,16 +154,39 @@ class _ZeusdApi:
             }
         )
 
-    def _apply(self, ids: list[int], limit_w: float) -> dict[str, str]:
+    def _each(
+        self, ids: list[int], change: Callable[..., None], args: tuple[Any, ...], what: str
+    ) -> dict[str, str]:
+        """`change(gpu, *args)` on each GPU; NVML's refusal text for each that fails."""
         errors: dict[str, str] = {}
         for i in ids:
             try:
-                self.engine.set_gpu_power_limit_w(i, limit_w)
-            except PowerLimitError as exc:
+                change(i, *args)
+            except (PowerLimitError, ClockError) as exc:
                 errors[str(i)] = f"NVML error: the argument is invalid ({exc})"
         if len(errors) < len(ids):
-            _log.info("zeusd: GPUs %s power limit %.0f W", ids, limit_w)
+            _log.info("zeusd: GPUs %s %s", ids, what)
         return errors
+
+    async def _write(self, block: bool, route: str, *each: Any) -> web.StreamResponse:
+        """A change after `apply_delay_s`; block=false answers at once and, as zeusd, reports
+        only dispatch errors: a failure then is only logged."""
+        if not block:
+            task = asyncio.get_running_loop().create_task(self._later(route, *each))
+            self.pending.add(task)
+            task.add_done_callback(self.pending.discard)
+            return web.Response(status=200)
+        await asyncio.sleep(self.apply_delay_s)
+        errors = self._each(*each)
+        if errors:
+            return web.json_response({"errors": errors}, status=400)
+        return web.Response(status=200)
+
+    async def _later(self, route: str, *each: Any) -> None:
+        await asyncio.sleep(self.apply_delay_s)
+        errors = self._each(*each)
+        if errors:
+            _log.warning("zeusd: non-blocking %s failed: %s", route, errors)
 
     async def set_power_limit(self, request: web.Request) -> web.StreamResponse:
         ids = self._gpu_ids(request, required=True)
@@ -175,16 +198,8 @@ class _ZeusdApi:
         if limit_mw < 0 or block not in ("true", "false"):
             raise _bad("power_limit_mw must be >= 0 and block true or false")
         limit_w = limit_mw / 1000.0
-        if block == "false":  # zeusd reports only dispatch errors then; the change fails quietly
-            task = asyncio.get_running_loop().create_task(self._later(ids, limit_w))
-            self.pending.add(task)
-            task.add_done_callback(self.pending.discard)
-            return web.Response(status=200)
-        await asyncio.sleep(self.apply_delay_s)
-        errors = self._apply(ids, limit_w)
-        if errors:
-            return web.json_response({"errors": errors}, status=400)
-        return web.Response(status=200)
+        set_w, what = self.engine.set_gpu_power_limit_w, f"power limit {limit_w:.0f} W"
+        return await self._write(block == "true", "set_power_limit", ids, set_w, (limit_w,), what)
 
     def _strict_query(self, request: web.Request, names: tuple[str, ...]) -> dict[str, str]:
         """zeusd's write query: every field required, no other allowed; actix's plain-text 400
@@ -224,56 +239,24 @@ class _ZeusdApi:
                 raise _text_400(f"GPU index {i} does not exist.")
         return ids
 
-    def _clock_apply(self, ids: list[int], lock: tuple[int, int] | None) -> dict[str, str]:
-        errors: dict[str, str] = {}
-        for i in ids:
-            try:
-                if lock is None:
-                    self.engine.reset_gpu_locked_clocks(i)
-                else:
-                    self.engine.set_gpu_locked_clocks(i, *lock)
-            except ClockError as exc:
-                errors[str(i)] = f"NVML error: the argument is invalid ({exc})"
-        if len(errors) < len(ids):
-            what = "unlocked" if lock is None else f"locked to {lock[0]}-{lock[1]} MHz"
-            _log.info("zeusd: GPUs %s SM clocks %s", ids, what)
-        return errors
-
     async def _clock_write(
-        self, ids: list[int], lock: tuple[int, int] | None, block: bool
+        self, q: dict[str, str], lock: tuple[int, int] | None
     ) -> web.StreamResponse:
-        if not block:  # dispatched; a failure is only logged, as zeusd's is
-            task = asyncio.get_running_loop().create_task(self._clock_later(ids, lock))
-            self.pending.add(task)
-            task.add_done_callback(self.pending.discard)
-            return web.Response(status=200)
-        await asyncio.sleep(self.apply_delay_s)
-        errors = self._clock_apply(ids, lock)
-        if errors:
-            return web.json_response({"errors": errors}, status=400)
-        return web.Response(status=200)
-
-    async def _clock_later(self, ids: list[int], lock: tuple[int, int] | None) -> None:
-        await asyncio.sleep(self.apply_delay_s)
-        errors = self._clock_apply(ids, lock)
-        if errors:
-            _log.warning("zeusd: non-blocking clock change failed: %s", errors)
+        """Lock (None: reset) the SM clocks of the query's GPUs."""
+        ids, block = self._write_ids(q["gpu_ids"]), q["block"] == "true"
+        if lock is None:
+            reset = self.engine.reset_gpu_locked_clocks
+            return await self._write(block, "clock change", ids, reset, (), "SM clocks unlocked")
+        what = f"SM clocks locked to {lock[0]}-{lock[1]} MHz"
+        set_lock = self.engine.set_gpu_locked_clocks
+        return await self._write(block, "clock change", ids, set_lock, lock, what)
 
     async def set_gpu_locked_clocks(self, request: web.Request) -> web.StreamResponse:
         q = self._strict_query(request, ("gpu_ids", "min_clock_mhz", "max_clock_mhz", "block"))
-        ids = self._write_ids(q["gpu_ids"])
-        lock = (int(q["min_clock_mhz"]), int(q["max_clock_mhz"]))
-        return await self._clock_write(ids, lock, q["block"] == "true")
+        return await self._clock_write(q, (int(q["min_clock_mhz"]), int(q["max_clock_mhz"])))
 
     async def reset_gpu_locked_clocks(self, request: web.Request) -> web.StreamResponse:
-        q = self._strict_query(request, ("gpu_ids", "block"))
-        return await self._clock_write(self._write_ids(q["gpu_ids"]), None, q["block"] == "true")
-
-    async def _later(self, ids: list[int], limit_w: float) -> None:
-        await asyncio.sleep(self.apply_delay_s)
-        errors = self._apply(ids, limit_w)
-        if errors:
-            _log.warning("zeusd: non-blocking set_power_limit failed: %s", errors)
+        return await self._clock_write(self._strict_query(request, ("gpu_ids", "block")), None)
 
     async def get_power(self, request: web.Request) -> web.StreamResponse:
         ids = self._gpu_ids(request, required=False)

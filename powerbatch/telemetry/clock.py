@@ -36,8 +36,6 @@ import bisect
 import contextlib
 import logging
 import math
-import os
-import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -182,16 +180,7 @@ class _DeviceClock:
         supported = set(self.supported_mhz())
         if min_mhz not in supported or max_mhz not in supported or min_mhz > max_mhz:
             raise ClockError(f"{self.name}: {min_mhz}-{max_mhz} MHz is not a supported lock")
-        if not self.state_file.exists():
-            self.state_file.write(
-                {
-                    "backend": self.backend,
-                    "clock": self.name,
-                    "gpu_ids": list(self.gpu_ids),
-                    "pid": os.getpid(),
-                    "written_unix_s": time.time(),
-                }
-            )
+        self.state_file.mark(backend=self.backend, clock=self.name, gpu_ids=list(self.gpu_ids))
         self.changes_total += 1
         await self._lock(min_mhz, max_mhz)
 

@@ -35,8 +35,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -213,17 +211,9 @@ class _DeviceLimiter:
         which reflects clamping and any lower limit set by someone else)."""
         constraints_w, default_w = self._started()
         limits_w = split_total_w(total_w, constraints_w)
-        if not self.state_file.exists():
-            self.state_file.write(
-                {
-                    "backend": self.backend,
-                    "limiter": self.name,
-                    "gpu_ids": list(self.gpu_ids),
-                    "restore_w": default_w,
-                    "pid": os.getpid(),
-                    "written_unix_s": time.time(),
-                }
-            )
+        self.state_file.mark(
+            backend=self.backend, limiter=self.name, gpu_ids=list(self.gpu_ids), restore_w=default_w
+        )
         await self._write_w(limits_w)
         self.changes_total += 1
         in_force_w = sum(await self._read_w())

@@ -291,26 +291,21 @@ class NvmlPowerLimiter(_NvmlDevices):
         """Per GPU (min_w, max_w) the driver accepts."""
         return list(self._constraints_w)
 
+    def _limit_w(self, call: str) -> list[float]:
+        """Per GPU, NVML's `call` (milliwatts) in watts."""
+        return self._per_gpu(call, lambda h: float(getattr(self._nvml, call)(h)) / 1000.0)
+
     def default_limits_w(self) -> list[float]:
         """Per GPU factory default limit."""
-        return self._per_gpu(
-            "nvmlDeviceGetPowerManagementDefaultLimit",
-            lambda h: float(self._nvml.nvmlDeviceGetPowerManagementDefaultLimit(h)) / 1000.0,
-        )
+        return self._limit_w("nvmlDeviceGetPowerManagementDefaultLimit")
 
     def limits_w(self) -> list[float]:
         """Per GPU limit set now (by whoever set it last), not necessarily the one enforced."""
-        return self._per_gpu(
-            "nvmlDeviceGetPowerManagementLimit",
-            lambda h: float(self._nvml.nvmlDeviceGetPowerManagementLimit(h)) / 1000.0,
-        )
+        return self._limit_w("nvmlDeviceGetPowerManagementLimit")
 
     def enforced_limits_w(self) -> list[float]:
         """Per GPU limit actually in force (the lowest of all limits set by anyone)."""
-        return self._per_gpu(
-            "nvmlDeviceGetEnforcedPowerLimit",
-            lambda h: float(self._nvml.nvmlDeviceGetEnforcedPowerLimit(h)) / 1000.0,
-        )
+        return self._limit_w("nvmlDeviceGetEnforcedPowerLimit")
 
     def set_limits_w(self, limits_w: Sequence[float]) -> None:
         """Set one limit per GPU as given (the caller clamps)."""

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,12 @@ class StateFile:
                 f"cannot write the state file {self.path} ({exc}); refusing to change the device "
                 "without a way to restore it after a crash (set limit_state_dir)"
             ) from exc
+
+    def mark(self, **record: Any) -> None:
+        """Write `record`, with this process's pid and the time, unless one is there already:
+        the first change's record says what to restore."""
+        if not self.exists():
+            self.write({**record, "pid": os.getpid(), "written_unix_s": time.time()})
 
     def remove(self) -> None:
         with contextlib.suppress(FileNotFoundError):

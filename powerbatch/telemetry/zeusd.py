@@ -190,42 +190,27 @@ class ZeusdClient:
         hi = self._per_gpu(data, gpu_ids, "max_power_limit_mw", "get_power_limit_constraints")
         return {i: (lo[i], hi[i]) for i in gpu_ids}
 
+    async def _write(self, path: str, gpu_ids: Sequence[int], block: bool, **fields: int) -> None:
+        """A /gpu write: the GPUs, each field as an integer, and `block`."""
+        params = {"gpu_ids": _ids(gpu_ids), **{k: str(int(v)) for k, v in fields.items()}}
+        await self.request("POST", path, {**params, "block": "true" if block else "false"})
+
     async def set_power_limit_mw(
         self, gpu_ids: Sequence[int], power_limit_mw: int, *, block: bool = True
     ) -> None:
         """`block=True` waits until the daemon has applied it and reports per-GPU errors."""
-        await self.request(
-            "POST",
-            "/gpu/set_power_limit",
-            {
-                "gpu_ids": _ids(gpu_ids),
-                "power_limit_mw": str(int(power_limit_mw)),
-                "block": "true" if block else "false",
-            },
-        )
+        await self._write("/gpu/set_power_limit", gpu_ids, block, power_limit_mw=power_limit_mw)
 
     async def set_gpu_locked_clocks(
         self, gpu_ids: Sequence[int], min_clock_mhz: int, max_clock_mhz: int, *, block: bool = True
     ) -> None:
         """Lock the SM clock (zeusd/src/routes/gpu.rs: every field required)."""
-        await self.request(
-            "POST",
-            "/gpu/set_gpu_locked_clocks",
-            {
-                "gpu_ids": _ids(gpu_ids),
-                "min_clock_mhz": str(int(min_clock_mhz)),
-                "max_clock_mhz": str(int(max_clock_mhz)),
-                "block": "true" if block else "false",
-            },
-        )
+        lock = {"min_clock_mhz": min_clock_mhz, "max_clock_mhz": max_clock_mhz}
+        await self._write("/gpu/set_gpu_locked_clocks", gpu_ids, block, **lock)
 
     async def reset_gpu_locked_clocks(self, gpu_ids: Sequence[int], *, block: bool = True) -> None:
         """Back to the driver's default clock policy."""
-        await self.request(
-            "POST",
-            "/gpu/reset_gpu_locked_clocks",
-            {"gpu_ids": _ids(gpu_ids), "block": "true" if block else "false"},
-        )
+        await self._write("/gpu/reset_gpu_locked_clocks", gpu_ids, block)
 
     async def get_power_mw(self, gpu_ids: Sequence[int]) -> dict[int, float]:
         data = await self.request("GET", "/gpu/get_power", {"gpu_ids": _ids(gpu_ids)})

@@ -30,8 +30,6 @@ from powerbatch.telemetry.monitor import PowerReading
 
 log = logging.getLogger("vllm.powerbatch")
 
-KNOBS = ("active_requests", "step_tokens", "kv_blocks")
-
 
 class PluginMetrics(ControlMetrics):
     """The controller's gauges (shared with the proxy) plus what the engine knows exactly."""

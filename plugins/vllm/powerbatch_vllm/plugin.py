@@ -16,11 +16,6 @@ from powerbatch_vllm.config import ENV_PREFIX, load_config
 
 log = logging.getLogger("vllm.powerbatch")
 
-SCHEDULERS = (
-    "powerbatch_vllm.scheduler.PowerbatchScheduler",
-    "powerbatch_vllm.scheduler.PowerbatchAsyncScheduler",
-)
-
 
 def _in_use(argv: list[str], environ: dict[str, str]) -> bool:
     """True when a powerbatch scheduler is named on the command line or settings are set."""
