@@ -22,7 +22,8 @@ Classes defined elsewhere name their module in brackets; all derive from a class
     │   ├── Rejected                [admission] the queue will not serve it (429/503/504)
     │   └── ApiError                [sim.server] the simulator's OpenAI-shaped error answer
     ├── UpstreamUnreachable         [proxy.hop] no connection to the upstream could be made
-    ├── UpstreamBroken              [proxy.hop] the upstream broke off, went silent or spoke bad HTTP
+    ├── UpstreamBroken              [proxy.hop] the upstream broke off or spoke bad HTTP
+    │   └── UpstreamTimeout         [proxy.hop] the upstream was silent past a timeout
     ├── QueueFull                   [sim.engine] the simulator's waiting queue is full
     ├── RequestTooLarge             [sim.engine] a request could never fit the KV cache
     ├── EngineStopped               [sim.engine] the engine stopped before a request finished
