@@ -259,3 +259,22 @@ def test_a_cancelled_request_closes_its_connection() -> None:
             await asyncio.wait_for(srv.closed_by_client.wait(), 1.0)  # the upstream sees it
 
     run(go())
+
+
+def test_a_body_ended_by_close_after_a_timeout_stays_timed_out() -> None:
+    async def reply(r: asyncio.StreamReader, w: asyncio.StreamWriter, head: bytes) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nsome")
+        await r.read(1)
+
+    async def go() -> None:
+        async with raw_server(reply, read_timeout_s=0.2) as (_, c):
+            async with await c.request("GET", "/", ()) as a:
+                assert await a.chunk() == b"some"
+                with pytest.raises(UpstreamTimeout):
+                    await a.chunk()
+                await asyncio.sleep(0.1)  # the closed connection does not end it cleanly
+                assert not a.complete
+                with pytest.raises(UpstreamTimeout):
+                    await a.chunk()
+
+    run(go())

@@ -112,7 +112,8 @@ class Answer:
         self._wake()
 
     def _end(self, error: Exception | None = None) -> None:
-        if not self.complete:
+        """The body ended, cleanly or with `error`; the first end is the one that counts."""
+        if not self.complete and self._error is None:
             self._error = error
             self.complete = error is None
         self._wake()
