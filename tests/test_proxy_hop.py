@@ -267,14 +267,16 @@ def test_a_body_ended_by_close_after_a_timeout_stays_timed_out() -> None:
         await r.read(1)
 
     async def go() -> None:
-        async with raw_server(reply, read_timeout_s=0.2) as (_, c):
-            async with await c.request("GET", "/", ()) as a:
-                assert await a.chunk() == b"some"
-                with pytest.raises(UpstreamTimeout):
-                    await a.chunk()
-                await asyncio.sleep(0.1)  # the closed connection does not end it cleanly
-                assert not a.complete
-                with pytest.raises(UpstreamTimeout):
-                    await a.chunk()
+        async with (
+            raw_server(reply, read_timeout_s=0.2) as (_, c),
+            await c.request("GET", "/", ()) as a,
+        ):
+            assert await a.chunk() == b"some"
+            with pytest.raises(UpstreamTimeout):
+                await a.chunk()
+            await asyncio.sleep(0.1)  # the closed connection does not end it cleanly
+            assert not a.complete
+            with pytest.raises(UpstreamTimeout):
+                await a.chunk()
 
     run(go())
