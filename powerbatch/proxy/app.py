@@ -40,7 +40,7 @@ from powerbatch.energy.usage import (
 )
 from powerbatch.proxy.auth import TENANT, ApiKeys, auth_middleware
 from powerbatch.proxy.dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect
-from powerbatch.proxy.errors import error_body, error_response
+from powerbatch.proxy.errors import error_response
 from powerbatch.proxy.governor import Governor
 from powerbatch.proxy.hop import (
     Answer,
@@ -124,21 +124,6 @@ def _event_end(buf: bytes) -> int:
     return max(ends, default=0)
 
 
-def _plain_error(
-    status: int, message: str, code: str, type_: str, dialect: Dialect = OPENAI
-) -> web.Response:
-    """An error for statuses errors.py has no type for; closes the connection."""
-    body: dict[str, Any]
-    if dialect is ANTHROPIC:
-        body = dialect.error_body(status, message, code=code)
-    else:
-        body = error_body(status, message, code=code)
-        body["error"]["type"] = type_
-    resp = web.json_response(body, status=status)
-    resp.force_close()  # the rest of the request may never come: don't wait for it
-    return resp
-
-
 def _upstream_outcome(status: int) -> str:
     """The outcome of a non-200 upstream answer.
 
@@ -159,7 +144,8 @@ def _is_json_error(body: bytes) -> bool:
 async def read_body(
     request: web.Request, settings: ProxySettings, dialect: Dialect = OPENAI
 ) -> bytes | web.Response:
-    """The body, or the answer to give: 413 over the limit, 408 if it trickles in."""
+    """The body, or the answer to give: 413 over the limit, 408 if it trickles in (either
+    closes the connection: the rest of the body may never come, so nothing waits for it)."""
     try:
         if request.content.is_eof():  # all of it is here already: no timer to arm
             return await request.read()
@@ -168,11 +154,11 @@ async def read_body(
     except web.HTTPRequestEntityTooLarge:
         msg = f"request body over {settings.max_body_bytes} bytes"
         resp = dialect.error(413, msg, code="too_large")
-        resp.force_close()
-        return resp
     except TimeoutError:
         msg = f"request body not received within {settings.client_timeout_s:g} s"
-        return _plain_error(408, msg, "client_timeout", "invalid_request_error", dialect)
+        resp = dialect.error(408, msg, code="client_timeout")
+    resp.force_close()
+    return resp
 
 
 class Upstream:
