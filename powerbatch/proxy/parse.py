@@ -85,14 +85,17 @@ def _positive_int(body: dict[str, Any], key: str, limit: int) -> int | None:
     return value
 
 
-def parse_request(
-    raw: bytes, *, chat: bool, default_max_tokens: int, max_tokens_limit: int
-) -> RequestInfo:
-    """Validate the fields a decision needs; raise BadRequest with an OpenAI-style param."""
-    try:
-        return _parse(raw, chat, default_max_tokens, max_tokens_limit)
-    except RecursionError as exc:  # content nested deeper than any real message
-        raise BadRequest("request body is nested too deeply") from exc
+def _guarded(parse: Callable[P, RequestInfo]) -> Callable[P, RequestInfo]:
+    """`parse` with content nested deeper than any real message answered as a 400."""
+
+    @functools.wraps(parse)
+    def run(*args: P.args, **kwargs: P.kwargs) -> RequestInfo:
+        try:
+            return parse(*args, **kwargs)
+        except RecursionError as exc:
+            raise BadRequest("request body is nested too deeply") from exc
+
+    return run
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -108,7 +111,11 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _parse(raw: bytes, chat: bool, default_max_tokens: int, max_tokens_limit: int) -> RequestInfo:
+@_guarded
+def parse_request(
+    raw: bytes, *, chat: bool, default_max_tokens: int, max_tokens_limit: int
+) -> RequestInfo:
+    """Validate the fields a decision needs; raise BadRequest with an OpenAI-style param."""
     body = _json_object(raw)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -164,6 +171,7 @@ def _items(value: Any) -> int:
     return 1
 
 
+@_guarded
 def parse_pooling_request(raw: bytes) -> RequestInfo:
     """A prefill-only request (embeddings, pooling, classify, score, rerank) sized by its input.
 
@@ -172,37 +180,21 @@ def parse_pooling_request(raw: bytes) -> RequestInfo:
     cross-encoder), so one query against N documents costs N queries' worth of prefill.
     """
     body = _json_object(raw)
-    try:
-        chars = sum(_input_len(body.get(k)) for k in _POOLING_SINGLE)
-        docs = [body[k] for k in _POOLING_DOCS if k in body]
-        for k in _POOLING_QUERY:
-            if k in body:
-                query = body[k]
-                pairs = max((_items(d) for d in docs), default=1)
-                per_query = 1 if _items(query) > 1 else pairs
-                chars += per_query * _input_len(query)
-        chars += sum(_input_len(d) for d in docs)
-    except RecursionError as exc:
-        raise BadRequest("request body is nested too deeply") from exc
+    chars = sum(_input_len(body.get(k)) for k in _POOLING_SINGLE)
+    docs = [body[k] for k in _POOLING_DOCS if k in body]
+    for k in _POOLING_QUERY:
+        if k in body:
+            query = body[k]
+            pairs = max((_items(d) for d in docs), default=1)
+            per_query = 1 if _items(query) > 1 else pairs
+            chars += per_query * _input_len(query)
+    chars += sum(_input_len(d) for d in docs)
     return RequestInfo(
         stream=False,
         prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
         max_tokens=0,
         model=body.get("model", ""),
     )
-
-
-def _guarded(parse: Callable[P, RequestInfo]) -> Callable[P, RequestInfo]:
-    """`parse` with deep nesting answered as a 400, as parse_request does."""
-
-    @functools.wraps(parse)
-    def run(*args: P.args, **kwargs: P.kwargs) -> RequestInfo:
-        try:
-            return parse(*args, **kwargs)
-        except RecursionError as exc:
-            raise BadRequest("request body is nested too deeply") from exc
-
-    return run
 
 
 @_guarded
