@@ -51,33 +51,23 @@ class ProxyMetrics(ControlMetrics):
         self.prompt_tokens = Counter(
             "powerbatch_prompt_tokens", "Prompt tokens admitted (estimated)", registry=r
         )
-        self.ttft_s = Histogram(
-            "powerbatch_ttft_seconds",
-            "Time to first token, queue included",
-            ["priority"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+
+        def by_priority(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, ["priority"], buckets=buckets, registry=r)
+
+        self.ttft_s = by_priority(
+            "powerbatch_ttft_seconds", "Time to first token, queue included", _LATENCY_BUCKETS
         )
-        self.tpot_s = Histogram(
+        self.tpot_s = by_priority(
             "powerbatch_time_per_output_token_seconds",
             "Time per output token after the first",
-            ["priority"],
-            buckets=_TPOT_BUCKETS,
-            registry=r,
+            _TPOT_BUCKETS,
         )
-        self.e2e_s = Histogram(
-            "powerbatch_e2e_latency_seconds",
-            "Request latency, queue included",
-            ["priority"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.e2e_s = by_priority(
+            "powerbatch_e2e_latency_seconds", "Request latency, queue included", _LATENCY_BUCKETS
         )
-        self.queue_wait_s = Histogram(
-            "powerbatch_queue_wait_seconds",
-            "Time in the admission queue",
-            ["priority"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.queue_wait_s = by_priority(
+            "powerbatch_queue_wait_seconds", "Time in the admission queue", _LATENCY_BUCKETS
         )
         self.energy = EnergyMetrics(r)
         # Every labelled child exists from the start so dashboards see zeros, not gaps, and rate()
