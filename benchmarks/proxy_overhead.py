@@ -334,23 +334,21 @@ async def sse_relay(
     session: aiohttp.ClientSession,
     url: str,
     ps: psutil.Process | None,
-    streams: int,
-    events: int,
-    interval_ms: float,
-    duration_s: float,
+    cfg: Config,
 ) -> dict[str, Any]:
-    """`streams` clients each pull streams of `events` events back to back for `duration_s`."""
-    data = body(True, events)
-    hdrs = {"Content-Type": "application/json", "x-fake-interval-ms": str(interval_ms)}
+    """`cfg.sse_streams` clients each pull streams of `cfg.sse_events` events, spaced
+    `cfg.sse_interval_ms` apart, back to back for `cfg.sse_duration_s`."""
+    data = body(True, cfg.sse_events)
+    hdrs = {"Content-Type": "application/json", "x-fake-interval-ms": str(cfg.sse_interval_ms)}
     c0 = cpu_s(ps) if ps else 0.0
     t0 = time.perf_counter()
     results: list[Result] = []
 
     async def worker() -> None:
-        while time.perf_counter() - t0 < duration_s:
+        while time.perf_counter() - t0 < cfg.sse_duration_s:
             results.append(await one(session, url, data, True, hdrs))
 
-    await asyncio.gather(*(worker() for _ in range(streams)))
+    await asyncio.gather(*(worker() for _ in range(cfg.sse_streams)))
     elapsed = time.perf_counter() - t0
     n_events = sum(r.events for r in results if r.ok)
     out: dict[str, Any] = {
@@ -618,15 +616,7 @@ async def sse_phase(
     sse: dict[str, Any] = {}
     for name, url, ps in (("proxy", proxy_c, proxy_ps), ("direct", direct_c, None)):
         log(f"SSE relay, {name}")
-        sse[name] = await sse_relay(
-            session,
-            url,
-            ps,
-            cfg.sse_streams,
-            cfg.sse_events,
-            cfg.sse_interval_ms,
-            cfg.sse_duration_s,
-        )
+        sse[name] = await sse_relay(session, url, ps, cfg)
     cpu_ev = sse["proxy"].get("cpu_us_per_event")
     sse["proxy_cpu_bound_events_per_s"] = 1e6 / cpu_ev if cpu_ev else None
     return sse
