@@ -297,17 +297,17 @@ async def phase_latency(
     session: aiohttp.ClientSession,
     direct: str,
     hops: dict[str, tuple[str, psutil.Process]],
-    rate: float,
-    duration_s: float,
+    cfg: Config,
     stream: bool,
-    tokens: int,
 ) -> dict[str, Any]:
     """Direct requests and those through each hop (the bare one, the proxy, a --baseline
-    proxy) take turns at `rate` each: the added latency, side by side."""
+    proxy) take turns at `cfg.rate` each for `cfg.duration_s`: the added latency, side by side.
+    """
+    rate, tokens = cfg.rate, cfg.sse_tokens
     t0 = {name: ps.cpu_times() for name, (_, ps) in hops.items()}
     urls = [direct, *(url for url, _ in hops.values())]
     (rd, *rs), elapsed = await open_loop(
-        session, urls, len(urls) * rate, duration_s, body(stream, tokens), stream
+        session, urls, len(urls) * rate, cfg.duration_s, body(stream, tokens), stream
     )
     d = lat_stats(rd)
     out: dict[str, Any] = {
@@ -529,15 +529,8 @@ async def run(cfg: Config, log_dir: Path, profile: Path | None) -> dict[str, Any
             lat: dict[str, Any] = {}
             for name, stream in (("json", False), ("sse", True)):
                 log(f"latency, {name} answers, {cfg.rate:.0f} rps to each side")
-                lat[name] = await phase_latency(
-                    session,
-                    direct_c,
-                    {name: (url, ps_of(c)) for name, (url, c) in hops.items()},
-                    cfg.rate,
-                    cfg.duration_s,
-                    stream,
-                    cfg.sse_tokens,
-                )
+                hop_ps = {hop: (url, ps_of(c)) for hop, (url, c) in hops.items()}
+                lat[name] = await phase_latency(session, direct_c, hop_ps, cfg, stream)
             out["latency"] = lat
             out["proxy_limit_after_latency"] = await wait_for_limit(session, proxy_url, 0, 0)
             sides = {"direct": (direct_c, up), **hops}
@@ -644,17 +637,9 @@ def render(r: dict[str, Any]) -> str:
     def row(name: str, d: str = "", p: str = "", a: str = "") -> None:
         lines.append(f"{name:<46} {d:>11} {p:>11} {a:>11}".rstrip())
 
-    idle = r["idle"]
-    row(
-        f"idle CPU over {idle['seconds']:.0f} s, % of a core: proxy",
-        "",
-        f(idle["proxy"]["cpu_pct"], 1),
-    )
-    row(
-        "  its busiest thread but the main one, %",
-        "",
-        f(idle["proxy"]["busiest_other_thread_pct"], 1),
-    )
+    idle, px = r["idle"], r["idle"]["proxy"]
+    row(f"idle CPU over {idle['seconds']:.0f} s, % of a core: proxy", "", f(px["cpu_pct"], 1))
+    row("  its busiest thread but the main one, %", "", f(px["busiest_other_thread_pct"], 1))
     row("idle CPU, % of a core: bare hop", "", f(idle["bare"]["cpu_pct"], 1))
     for name, lat in r["latency"].items():
         d, b, p = lat["direct"], lat["bare"], lat["proxy"]
