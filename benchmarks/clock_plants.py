@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 from dataclasses import fields, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -197,23 +198,14 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for seed in range(a.first, a.first + a.plants):
         profile, ceiling_w, kv = draw(seed)
-        base = run(profile, ceiling_w, kv, seed, a.seconds, load=a.load)
+        plant = partial(run, profile, ceiling_w, kv, seed, a.seconds, load=a.load)
+        base = plant()
         law = ClockLaw(ClockPolicy(clock_objective="energy"), ControlConfig(ceiling_w=ceiling_w))
-        learned = run(
-            profile,
-            ceiling_w,
-            kv,
-            seed,
-            a.seconds,
-            law=law,
-            meter_lag_s=a.meter_lag_s,
-            load=a.load,
-            pair_error_s=a.pair_error_s,
-        )
+        learned = plant(law=law, meter_lag_s=a.meter_lag_s, pair_error_s=a.pair_error_s)
         floor = profile.sm_clock_min_mhz
         best = base
         for top in law.levels[1:]:
-            static = run(profile, ceiling_w, kv, seed, a.seconds, lock=(floor, top), load=a.load)
+            static = plant(lock=(floor, top))
             if static["tokens"] >= 0.98 * base["tokens"] and (
                 static["j_per_token"] < best["j_per_token"]
             ):
