@@ -853,16 +853,10 @@ def write_outputs(out: Path, report: dict[str, Any], meter: Meter | None) -> Non
             writer = csv.writer(handle)
             writer.writerow(["t_s", "tag", "instant_w", "averaged_w", "energy_j"])
             t0 = meter.readings[0].t_s if meter.readings else 0.0
-            for r in list(meter.readings):
-                writer.writerow(
-                    [
-                        f"{r.t_s - t0:.3f}",
-                        r.tag,
-                        f"{r.instant_w:.1f}",
-                        _fmt(r.averaged_w),
-                        r.energy_j,
-                    ]
-                )
+            writer.writerows(
+                [f"{r.t_s - t0:.3f}", r.tag, f"{r.instant_w:.1f}", _fmt(r.averaged_w), r.energy_j]
+                for r in list(meter.readings)
+            )
 
 
 def _row_line(row: dict[str, Any]) -> str:
