@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from functools import cache
+from functools import cache, partial
 
 from aiohttp import web
 
@@ -83,14 +83,6 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     return resp
 
 
-async def chat(request: web.Request) -> web.StreamResponse:
-    return await _complete(request, chat=True)
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _complete(request, chat=False)
-
-
 async def health(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
@@ -105,8 +97,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 def create_app() -> web.Application:
     app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", partial(_complete, chat=True))
+    app.router.add_post("/v1/completions", partial(_complete, chat=False))
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
