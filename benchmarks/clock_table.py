@@ -93,8 +93,7 @@ def main() -> None:
             for key, bad in (("j_per_token", max), ("goodput_rps", min), ("vs_static", max)):
                 v = row[key]
                 if v is not None and arm == "powerbatch-clock":
-                    k = f"{key}"
-                    worst[k] = bad(worst.get(k, v), v)
+                    worst[key] = bad(worst.get(key, v), v)
     text = "\n".join(lines)
     text += (
         "\n\nWorst over the plants, powerbatch-clock: J/token "

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import math
 import os
@@ -689,11 +690,8 @@ def render(r: dict[str, Any]) -> str:
 
 
 def print_profile(path: Path, n: int = 25) -> str:
-    import io
-
     buf = io.StringIO()
-    st = pstats.Stats(str(path), stream=buf)
-    st.sort_stats("tottime").print_stats(n)
+    pstats.Stats(str(path), stream=buf).sort_stats("tottime").print_stats(n)
     return buf.getvalue()
 
 
