@@ -40,7 +40,6 @@ from powerbatch.energy.usage import (
 )
 from powerbatch.proxy.auth import TENANT, ApiKeys, auth_middleware
 from powerbatch.proxy.dialects import ANTHROPIC, OPENAI, RESPONSES, Dialect
-from powerbatch.proxy.errors import error_response
 from powerbatch.proxy.governor import Governor
 from powerbatch.proxy.hop import (
     Answer,
@@ -572,7 +571,7 @@ class PassThrough:
         if path not in self.logged and len(self.logged) < 64:
             self.logged.add(path)
             log.warning("refused %s", msg)
-        return error_response(403, msg, code="route_not_admitted")
+        return OPENAI.error(403, msg, code="route_not_admitted")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         refusal = self.refused(request)
@@ -600,7 +599,7 @@ class OperatorRoutes:
 
     async def method_not_allowed(self, request: web.Request) -> web.Response:
         msg = f"{request.method} is not allowed on {request.path}; use POST"
-        resp = error_response(405, msg, code="bad_method")
+        resp = OPENAI.error(405, msg, code="bad_method")
         resp.headers["Allow"] = "POST"
         return resp
 
@@ -642,11 +641,11 @@ class OperatorRoutes:
         try:
             since = float(request.query.get("since_s", "-inf"))
         except ValueError:
-            return error_response(400, "since_s must be a number", param="since_s")
+            return OPENAI.error(400, "since_s must be a number", param="since_s")
         return web.json_response(self.gov.loop.history_columns(since), dumps=_strict_dumps)
 
     async def not_found(self, request: web.Request) -> web.Response:
-        return error_response(404, f"no route {request.method} {request.path}", code="not_found")
+        return OPENAI.error(404, f"no route {request.method} {request.path}", code="not_found")
 
 
 def _strict_dumps(obj: Any) -> str:

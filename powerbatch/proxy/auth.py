@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from powerbatch.errors import ConfigError
-from powerbatch.proxy.errors import error_response
+from powerbatch.proxy.dialects import OPENAI
 
 # Liveness and readiness probes stay open: orchestrators call them without credentials.
 PUBLIC_PATHS = frozenset({"/health", "/ready"})
@@ -128,7 +128,7 @@ def auth_middleware(keys: ApiKeys) -> Middleware:
             if header
             else "You didn't provide an API key (Authorization: Bearer <key>)."
         )
-        resp = error_response(401, message, code="invalid_api_key")
+        resp = OPENAI.error(401, message, code="invalid_api_key")
         resp.headers["WWW-Authenticate"] = 'Bearer realm="powerbatch"'
         return resp
 

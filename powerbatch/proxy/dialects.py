@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from powerbatch.proxy.errors import error_body, json_error
+from powerbatch.proxy.errors import error_body
 
 _OUTPUT_TOKENS = re.compile(rb'"output_tokens":\s*(\d+)')
 _INPUT_TOKENS = re.compile(rb'"input_tokens":\s*(\d+)')
@@ -82,9 +82,11 @@ class Dialect:
         param: str | None = None,
         retry_after_s: int | None = None,
     ) -> web.Response:
-        """A refusal or failure as a JSON answer in this family's shape."""
+        """A refusal or failure as a JSON answer in this family's shape, with Retry-After where
+        the client should wait."""
         body = self.error_body(status, message, code=code, param=param)
-        return json_error(body, status, retry_after_s)
+        headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+        return web.json_response(body, status=status, headers=headers)
 
     def stream_error(self, status: int, message: str, code: str, events: int) -> bytes:
         """The end of a stream that failed under way: an error event, then the terminator the

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from aiohttp import web
-
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -31,20 +29,3 @@ def error_body(
             "code": code,
         }
     }
-
-
-def error_response(
-    status: int,
-    message: str,
-    *,
-    code: str | None = None,
-    param: str | None = None,
-    retry_after_s: int | None = None,
-) -> web.Response:
-    return json_error(error_body(status, message, code=code, param=param), status, retry_after_s)
-
-
-def json_error(body: object, status: int, retry_after_s: int | None = None) -> web.Response:
-    """An error body as the JSON answer, with Retry-After where the client should wait."""
-    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
-    return web.json_response(body, status=status, headers=headers)
