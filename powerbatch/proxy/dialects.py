@@ -26,11 +26,24 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from powerbatch.proxy.errors import error_body
-
 _OUTPUT_TOKENS = re.compile(rb'"output_tokens":\s*(\d+)')
 _INPUT_TOKENS = re.compile(rb'"input_tokens":\s*(\d+)')
 
+# OpenAI's error types by status: {"error": {"message", "type", "param", "code"}}.
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    500: "server_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "upstream_timeout",
+}
 # Anthropic's error types by status, as vLLM maps them (anthropic/protocol.py,
 # _ANTHROPIC_ERROR_TYPE_BY_STATUS) after https://docs.anthropic.com/en/api/errors.
 _ANTHROPIC_TYPES = {
@@ -71,7 +84,8 @@ class Dialect:
                 status, "api_error" if status >= 500 else "invalid_request_error"
             )
             return {"type": "error", "error": {"type": kind, "message": message}}
-        return dict(error_body(status, message, code=code, param=param))
+        kind = _OPENAI_TYPES.get(status, "server_error")
+        return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
     def error(
         self,
@@ -104,7 +118,7 @@ class Dialect:
         if self.name == "anthropic":
             body = json.dumps(self.error_body(status, message)).encode()
             return b"event: error\ndata: " + body + b"\n\n"
-        body = json.dumps(error_body(status, message, code=code)).encode()
+        body = json.dumps(self.error_body(status, message, code=code)).encode()
         return b"data: " + body + b"\n\ndata: [DONE]\n\n"
 
     def tokens_in(self, out: bytes) -> int:
