@@ -665,12 +665,7 @@ def create_app(gov: Governor, settings: ProxySettings) -> web.Application:
     relays = (BodyRelay(gov, settings, upstream, acc), StreamRelay(gov, settings, acc))
     ops = OperatorRoutes(gov, upstream)
 
-    def admitted(
-        parse: Callable[[bytes, str], RequestInfo], generates: bool, dialect: Dialect = OPENAI
-    ) -> AdmittedRoute:
-        return AdmittedRoute(
-            gov, settings, upstream, labels, relays, parse, generates=generates, dialect=dialect
-        )
+    admitted = partial(AdmittedRoute, gov, settings, upstream, labels, relays)
 
     def json_only(parse: Callable[[bytes], RequestInfo]) -> Callable[[bytes, str], RequestInfo]:
         return lambda raw, _content_type: parse(raw)
@@ -689,7 +684,7 @@ def create_app(gov: Governor, settings: ProxySettings) -> web.Application:
     }
 
     def generating(parse: Callable[..., RequestInfo], dialect: Dialect = OPENAI) -> AdmittedRoute:
-        return admitted(json_only(partial(parse, **sizes)), True, dialect)
+        return admitted(json_only(partial(parse, **sizes)), generates=True, dialect=dialect)
 
     messages = partial(parse_messages_request, max_tokens_limit=settings.max_tokens_limit)
     routes = {
@@ -697,16 +692,17 @@ def create_app(gov: Governor, settings: ProxySettings) -> web.Application:
         "/v1/completions": generating(partial(parse_request, chat=False)),
         "/v1/chat/completions/batch": generating(parse_chat_batch_request),
         "/v1/responses": generating(parse_responses_request, RESPONSES),
-        "/v1/messages": admitted(json_only(messages), True, ANTHROPIC),
+        "/v1/messages": admitted(json_only(messages), generates=True, dialect=ANTHROPIC),
     }
     audio_parse = partial(
         parse_audio_request,
         default_max_tokens=settings.default_max_tokens,
         max_tokens_limit=settings.max_tokens_limit,
     )
-    audio = admitted(audio_parse, True)  # multipart: it reads the Content-Type too
+    audio = admitted(audio_parse, generates=True)  # multipart: it reads the Content-Type too
     routes.update(dict.fromkeys(AUDIO_PATHS, audio))
-    pooling = admitted(json_only(parse_pooling_request), False)  # on its prefill: it draws power
+    # Decodes nothing, but its prefill draws power: admitted like a completion.
+    pooling = admitted(json_only(parse_pooling_request), generates=False)
     routes.update(dict.fromkeys(POOLING_PATHS, pooling))
     for path, handler in routes.items():
         app.router.add_post(path, handler.handle)
