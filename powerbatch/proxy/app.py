@@ -60,7 +60,6 @@ from powerbatch.proxy.parse import (
     parse_responses_request,
 )
 from powerbatch.proxy.settings import ProxySettings
-from powerbatch.sse import usage_completion_tokens
 
 log = logging.getLogger("powerbatch.proxy")
 access_log = logging.getLogger("powerbatch.access")
@@ -401,12 +400,8 @@ class StreamRelay:
                         out, held = b"".join(parts[:at]), b"".join(parts[at:])
                 if out:
                     await write(out)
-            last_prompt: int | None = None
-            if dialect.openai_usage:
-                tokens = usage_completion_tokens(tail)
-            else:
-                tokens = dialect.final_tokens(tail)
-                last_prompt = dialect.final_prompt_tokens(tail)
+            tokens = dialect.final_tokens(tail)
+            prompt = dialect.final_prompt_tokens(tail)  # None for OpenAI: its usage is in `held`
             if tokens is not None:
                 self.gov.output_tokens_total += tokens - events
             else:  # OpenAI: the role event and [DONE] carry no token
@@ -414,7 +409,6 @@ class StreamRelay:
             now = time.monotonic()
             self.acc.ok(call, first_s=first_s or now, last_s=now, tokens=tokens)
             energy_j = self.gov.energy.finish(rec)
-            prompt = last_prompt
             if held is not None:
                 pending, prompt = events_with_energy(held + pending, energy_j)
             prompt = prompt or info.prompt_tokens

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from powerbatch.sse import usage_completion_tokens
+
 _OUTPUT_TOKENS = re.compile(rb'"output_tokens":\s*(\d+)')
 _INPUT_TOKENS = re.compile(rb'"input_tokens":\s*(\d+)')
 
@@ -129,7 +131,7 @@ class Dialect:
     def final_tokens(self, tail: bytes) -> int | None:
         """Output tokens from the usage at a stream's end (`tail`: its last bytes)."""
         if self.openai_usage:
-            return None  # read by powerbatch.sse.usage_completion_tokens, as it always was
+            return usage_completion_tokens(tail)
         return _last_int(_OUTPUT_TOKENS, tail)
 
     def final_prompt_tokens(self, tail: bytes) -> int | None:
