@@ -98,6 +98,15 @@ def _guarded(parse: Callable[P, RequestInfo]) -> Callable[P, RequestInfo]:
     return run
 
 
+def _info(
+    body: dict[str, Any], stream: bool, chars: int, max_tokens: int, *, include_usage: bool = False
+) -> RequestInfo:
+    """A JSON request's info, its prompt estimated from `chars` of text (at least one token).
+    A `max_tokens` read by _positive_int is None or at least 1, so callers default it with `or`."""
+    prompt_tokens = max(1, chars // CHARS_PER_TOKEN)
+    return RequestInfo(stream, prompt_tokens, max_tokens, body.get("model", ""), include_usage)
+
+
 def _json_object(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object with a string `model` (if any), or BadRequest."""
     try:
@@ -139,13 +148,8 @@ def parse_request(
     if max_tokens is None:
         max_tokens = _positive_int(body, "max_tokens", max_tokens_limit)
     options = body.get("stream_options")
-    return RequestInfo(
-        stream=stream,
-        prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
-        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-        model=body.get("model", ""),
-        include_usage=isinstance(options, dict) and options.get("include_usage") is True,
-    )
+    usage = isinstance(options, dict) and options.get("include_usage") is True
+    return _info(body, stream, chars, max_tokens or default_max_tokens, include_usage=usage)
 
 
 # Fields that carry a pooling request's input in vLLM's pooling APIs (embeddings, pooling,
@@ -189,12 +193,7 @@ def parse_pooling_request(raw: bytes) -> RequestInfo:
             per_query = 1 if _items(query) > 1 else pairs
             chars += per_query * _input_len(query)
     chars += sum(_input_len(d) for d in docs)
-    return RequestInfo(
-        stream=False,
-        prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
-        max_tokens=0,
-        model=body.get("model", ""),
-    )
+    return _info(body, False, chars, 0)
 
 
 @_guarded
@@ -225,12 +224,7 @@ def parse_responses_request(
         raise BadRequest("instructions must be a string", "instructions")
     chars = _text_len(value, _RESPONSES_KEYS) + len(instructions or "")
     max_tokens = _positive_int(body, "max_output_tokens", max_tokens_limit)
-    return RequestInfo(
-        stream=stream,
-        prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
-        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-        model=body.get("model", ""),
-    )
+    return _info(body, stream, chars, max_tokens or default_max_tokens)
 
 
 @_guarded
@@ -251,12 +245,7 @@ def parse_messages_request(raw: bytes, *, max_tokens_limit: int) -> RequestInfo:
     if max_tokens is None:
         raise BadRequest("max_tokens is required", "max_tokens")
     chars = _text_len(messages, _ANTHROPIC_KEYS) + _text_len(system, _ANTHROPIC_KEYS)
-    return RequestInfo(
-        stream=stream,
-        prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
-        max_tokens=max_tokens,
-        model=body.get("model", ""),
-    )
+    return _info(body, stream, chars, max_tokens)
 
 
 @_guarded
@@ -282,7 +271,7 @@ def parse_chat_batch_request(
     return RequestInfo(
         stream=False,
         prompt_tokens=prompt,
-        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        max_tokens=max_tokens or default_max_tokens,
         model=body.get("model", ""),
         requests=len(convs),
     )
