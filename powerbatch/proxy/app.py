@@ -165,7 +165,6 @@ class Upstream:
 
     def __init__(self, settings: ProxySettings, *, client_keys: bool) -> None:
         self.settings = settings
-        self.base = settings.upstream_url
         key = settings.upstream_api_key
         # With client keys on, the client's Authorization is the proxy's key: it is not passed on.
         self.drop = (
@@ -173,7 +172,7 @@ class Upstream:
         )
         self.auth = f"Bearer {key}" if key is not None else None
         self.client = HopClient(
-            self.base,
+            settings.upstream_url,
             connect_timeout_s=settings.connect_timeout_s,
             headers_timeout_s=settings.headers_timeout_s,
             read_timeout_s=settings.read_timeout_s,
@@ -375,10 +374,8 @@ class StreamRelay:
         write = partial(self._write, request, resp)
         try:
             await resp.prepare(request)  # buffers the headers: they go with the first write
-            while True:
-                chunk = await up.chunk()  # UpstreamBroken, or UpstreamTimeout past read_timeout_s
-                if chunk is None:
-                    break
+            # up.chunk() raises UpstreamBroken, or UpstreamTimeout past read_timeout_s.
+            while (chunk := await up.chunk()) is not None:
                 if first_s is None:
                     first_s = time.monotonic()
                 tail = (tail + chunk)[-4096:]
