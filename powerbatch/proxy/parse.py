@@ -103,8 +103,13 @@ def _info(
 ) -> RequestInfo:
     """A JSON request's info, its prompt estimated from `chars` of text (at least one token).
     A `max_tokens` read by _positive_int is None or at least 1, so callers default it with `or`."""
-    prompt_tokens = max(1, chars // CHARS_PER_TOKEN)
-    return RequestInfo(stream, prompt_tokens, max_tokens, body.get("model", ""), include_usage)
+    return RequestInfo(
+        stream=stream,
+        prompt_tokens=max(1, chars // CHARS_PER_TOKEN),
+        max_tokens=max_tokens,
+        model=body.get("model", ""),
+        include_usage=include_usage,
+    )
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
