@@ -1,4 +1,4 @@
-"""A bare aiohttp pass-through: the floor for a second HTTP hop in Python (proxy_overhead.py).
+"""A bare aiohttp pass-through: a second hop on aiohttp's client and server (proxy_overhead.py).
 
 Every request goes to the upstream unchanged and the answer comes back chunk by chunk, with none
 of powerbatch's work (no admission, no body parse, no metrics, no control loop), so

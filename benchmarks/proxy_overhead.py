@@ -1,7 +1,7 @@
 """What the powerbatch proxy itself costs, measured against a fake upstream that answers at once.
 
 The same load goes straight to the fake upstream, through a bare aiohttp pass-through
-(benchmarks/bare_hop.py: the floor for any second hop in Python) and through the proxy in one
+(benchmarks/bare_hop.py: a second hop on aiohttp's client and server) and through the proxy in one
 run, interleaved request by request where it matters, so machine noise hits every side alike:
 
   idle cpu   the proxy's and the bare hop's CPU, % of a core, over 10 s with no traffic
