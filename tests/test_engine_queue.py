@@ -10,7 +10,7 @@ from conftest import run, serve
 
 from powerbatch.cli.serve import build
 from powerbatch.cli.settings import SERVE
-from powerbatch.proxy.engine_queue import EngineQueue
+from powerbatch.proxy.engine_queue import MISSES_KEPT, EngineQueue
 from powerbatch.settings import load
 from powerbatch.sim import SimEngine
 from powerbatch.sim.server import start_sim_server
@@ -40,12 +40,26 @@ def test_an_engine_without_a_ttft_histogram_is_timed_by_what_it_was_sent() -> No
     q.update(signals(1.0, 16, 4, None), admitted=20, in_flight=20)
     assert q.load is not None and q.load.queued == 4
     assert q.load.start_rate == pytest.approx(10.0)
-    q.update(None, admitted=20, in_flight=20)  # a failed scrape: no load at all, not a stale one
+    kept = q.load
+    for _ in range(MISSES_KEPT):  # a scrape or two lost: the last load holds, as it was
+        q.update(None, admitted=20, in_flight=20)
+        assert q.load is kept
+    q.update(None, admitted=20, in_flight=20)  # one more: an engine without metrics, no load
     assert q.load is None
     q.update(signals(3.0, 16, 0, None), admitted=30, in_flight=16)
     assert q.load is None  # measured anew from here
     q.update(signals(4.0, 16, 0, None), admitted=36, in_flight=16)
     assert q.load is not None and q.load.start_rate == pytest.approx(6.0)
+
+
+def test_a_lost_scrape_neither_drops_the_load_nor_skews_the_rate() -> None:
+    q = EngineQueue()
+    q.update(signals(0.0, 4, 0, 100.0), admitted=4, in_flight=4)
+    q.update(signals(1.0, 4, 6, 104.0), admitted=10, in_flight=10)
+    q.update(None, admitted=12, in_flight=12)  # the scrape at 2 s timed out
+    assert q.load is not None and q.load.t_s == 1.0  # the law sees no new scrape to act on
+    q.update(signals(3.0, 4, 6, 112.0), admitted=14, in_flight=10)
+    assert q.load is not None and q.load.start_rate == pytest.approx(4.0)  # 8 over 2 s
 
 
 @pytest.mark.parametrize("law", [True, False])
@@ -110,6 +124,9 @@ def test_work_the_engine_cannot_start_waits_in_the_proxy_where_a_stream_goes_fir
             return before, gov.queue.in_flight
         finally:
             await runner.cleanup()
+            await gov.monitor.source.close()  # `powerbatch serve` closes these on exit
+            if gov.scraper is not None:
+                await gov.scraper.close()
             await sim.close()
 
     before, in_flight = run(main())

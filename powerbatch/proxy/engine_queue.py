@@ -7,7 +7,9 @@ prefilled this step is running, not waiting, and must not count as queued: the e
 it to fill the step. The start rate is the count of vLLM's TTFT histogram per second (it is
 observed once per request, at its first output: vllm/v1/metrics/stats.py), or, from an
 engine without it, the requests sent to it per second; until two scrapes have measured it
-there is no load to act on.
+there is no load to act on. A failed scrape keeps the last load (its time unchanged, so the law
+holds its cap and does not act on it again) for up to `MISSES_KEPT` scrapes in a row: one scrape
+lost to a busy moment must not let the whole backlog into the engine's first-come queue.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ RATE_WEIGHT = 0.3
 """EWMA weight per scrape of the start rate: a few scrapes, as bursts come and go."""
 
 
+MISSES_KEPT = 2
+"""Failed scrapes in a row through which the last load is kept; at the next the engine is taken
+for one without metrics, and its rate is measured anew."""
+
+
 class EngineQueue:
     """Call `update` once per scrape, with the proxy's counts at the time of the scrape."""
 
@@ -27,11 +34,15 @@ class EngineQueue:
         self._last: tuple[float, float] | None = None  # (t_s, requests started) at last scrape
         self._rate: float | None = None
         self.load: EngineLoad | None = None  # None until a start rate has been measured
+        self._misses = 0  # failed scrapes in a row
 
     def update(self, up: UpstreamSignals | None, admitted: int, in_flight: int) -> None:
         if up is None or up.requests_waiting is None or up.t_s is None:
-            self.load, self._last, self._rate = None, None, None
+            self._misses += 1
+            if self._misses > MISSES_KEPT:
+                self.load, self._last, self._rate = None, None, None
             return
+        self._misses = 0
         count = admitted if up.requests_started_total is None else up.requests_started_total
         if self._last is not None and up.t_s > self._last[0]:
             rate = max(0.0, count - self._last[1]) / (up.t_s - self._last[0])
