@@ -16,14 +16,16 @@ Step = float | Exception | PowerSample
 
 
 class ScriptedSource:
-    """Plays a list of power values (or exceptions); sample i is at t_s = i * dt_s."""
+    """Plays a list of power values (or exceptions); sample i is at t_s = i * dt_s, and its
+    energy counter has risen by each value read so far x dt_s (None with `energy=False`)."""
 
     name = "scripted"
 
-    def __init__(self, script: Sequence[Step], dt_s: float = 0.1) -> None:
+    def __init__(self, script: Sequence[Step], dt_s: float = 0.1, energy: bool = True) -> None:
         self.script: list[Step] = list(script)
         self.dt_s = dt_s
         self.reads = 0
+        self.energy_j: float | None = 0.0 if energy else None
 
     async def read(self) -> PowerSample:
         step = self.script[min(self.reads, len(self.script) - 1)]
@@ -33,7 +35,9 @@ class ScriptedSource:
             raise step
         if isinstance(step, PowerSample):
             return step
-        return PowerSample(t_s=t_s, power_w=step, energy_j=t_s * 100.0)
+        if self.energy_j is not None:
+            self.energy_j += step * self.dt_s
+        return PowerSample(t_s=t_s, power_w=step, energy_j=self.energy_j)
 
     async def close(self) -> None:
         pass
@@ -65,7 +69,7 @@ def test_good_samples_are_filtered_smoothed_and_counted() -> None:
     last = readings[-1]
     assert last.ok and not last.stale and last.error is None
     assert (last.raw_w, last.filtered_w, last.smoothed_w) == (500.0, 500.0, 500.0)
-    assert last.energy_j == pytest.approx(90.0)
+    assert last.energy_j == pytest.approx(500.0)  # ten readings of 500 W, 0.1 s each
     assert last.t_s == pytest.approx(0.9)
     assert monitor.reads_total == 10
     assert monitor.read_errors_total == 0
@@ -189,6 +193,29 @@ def test_mean_w_and_history_window() -> None:
     # The newest second holds samples 20..29: mean 100 + 10 * 24.5.
     assert monitor.mean_w(1.0) == pytest.approx(345.0)
     assert PowerMonitor(ScriptedSource([1.0])).mean_w(1.0) is None
+
+
+def test_the_mean_counts_a_burst_the_despiking_filter_takes_for_a_glitch() -> None:
+    """Two 0.1-s readings of a prefill burst in a second of decode: the filter replaces them by
+    the median, the energy counter does not."""
+    burst: list[Step] = [100.0] * 12 + [1000.0, 1000.0] + [100.0] * 6
+    with_counter = PowerMonitor(ScriptedSource(burst), clock=(clock := Clock()))
+    poll_all(with_counter, len(burst), clock)
+    assert with_counter.snapshot().filtered_w == 100.0  # the filter saw a glitch
+    assert with_counter.mean_w(1.0) == pytest.approx(280.0)  # (8 x 100 + 2 x 1000) / 10
+    without = PowerMonitor(ScriptedSource(burst, energy=False), clock=(clock := Clock()))
+    poll_all(without, len(burst), clock)
+    assert without.mean_w(1.0) == pytest.approx(100.0)  # no counter: the filtered mean
+
+
+def test_a_counter_that_goes_back_is_not_differenced() -> None:
+    clock = Clock()
+    source = ScriptedSource([200.0] * 20)
+    monitor = PowerMonitor(source, hampel=None, clock=clock)
+    poll_all(monitor, 15, clock)
+    source.energy_j = 0.0  # a driver reload resets the counter
+    poll_all(monitor, 5, clock)
+    assert monitor.mean_w(1.0) == pytest.approx(200.0)  # the samples' mean, not a negative rise
 
 
 def test_errors_are_logged_once_per_message_per_window(caplog: pytest.LogCaptureFixture) -> None:

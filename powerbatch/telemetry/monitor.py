@@ -109,7 +109,7 @@ class PowerMonitor:
         self._received_s: float | None = None
         self._error: str | None = None
         self._consecutive_errors = 0
-        self._history: deque[tuple[float, float]] = deque()
+        self._history: deque[tuple[float, float, float | None]] = deque()  # (t_s, w, energy_j)
         self._listeners: list[Listener] = []
         self._logged_at: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
@@ -164,22 +164,35 @@ class PowerMonitor:
 
     def history(self) -> list[tuple[float, float]]:
         """(t_s, filtered_w) of good samples over the last `history_s` seconds, oldest first."""
-        return list(self._history)
+        return [(t_s, w) for t_s, w, _ in self._history]
 
     def mean_w(self, window_s: float = 1.0) -> float | None:
-        """Mean filtered power over the newest `window_s` seconds of good samples.
+        """Mean power over the newest `window_s` seconds of good samples; None without one.
 
-        Comparable with NVML's 1-second averaged power; None when there is no good sample.
+        Comparable with NVML's 1-second averaged power. Where the source has an energy counter
+        (NVML's nvmlDeviceGetTotalEnergyConsumption, dcgm-exporter's
+        DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION), it is the counter's rise over the window: the
+        exact mean, prefill bursts included. Instant readings polled every 0.1 s catch a burst
+        of a few hundred milliseconds in one or two samples, which the despiking filter takes
+        for glitches (it passes a step only once it fills half its window), so their mean
+        misses the watts the ceiling is about, and a model learning from it prices prefill low.
+        Without a counter (or across a counter reset), the mean of the filtered samples.
         """
         if not self._history:
             return None
-        since_s = self._history[-1][0] - window_s
+        t_new, _, e_new = self._history[-1]
+        since_s = t_new - window_s
         total, count = 0.0, 0
-        for t_s, w in reversed(self._history):  # newest first: stop at the window's edge
-            if t_s <= since_s:
+        edge = self._history[0]
+        for sample in reversed(self._history):  # newest first: stop at the window's edge
+            edge = sample
+            if sample[0] <= since_s:
                 break
-            total += w
+            total += sample[1]
             count += 1
+        t_old, _, e_old = edge
+        if e_new is not None and e_old is not None and t_new > t_old and e_new >= e_old:
+            return (e_new - e_old) / (t_new - t_old)
         return total / count if count else self._history[-1][1]
 
     def add_listener(self, callback: Listener) -> None:
@@ -233,7 +246,7 @@ class PowerMonitor:
         self._received_s = received_s
         self._consecutive_errors = 0
         self._error = None
-        self._history.append((sample.t_s, filtered_w))
+        self._history.append((sample.t_s, filtered_w, sample.energy_j))
         while self._history and self._history[0][0] < sample.t_s - self.history_s:
             self._history.popleft()
         reading = self.snapshot()
