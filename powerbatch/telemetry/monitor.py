@@ -176,7 +176,9 @@ class PowerMonitor:
         of a few hundred milliseconds in one or two samples, which the despiking filter takes
         for glitches (it passes a step only once it fills half its window), so their mean
         misses the watts the ceiling is about, and a model learning from it prices prefill low.
-        Without a counter (or across a counter reset), the mean of the filtered samples.
+        A counter that the driver updates every few tens of milliseconds is off by at most one
+        update's energy at each end of the window: noise, not the filter's bias. Without a
+        counter (or across a counter reset), the mean of the filtered samples.
         """
         if not self._history:
             return None
