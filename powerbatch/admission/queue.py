@@ -5,8 +5,13 @@ prefill pace allows its prompt. Every class waits for the pace: prefill is where
 are, and a class that skipped it would spend the ceiling's margin on its own prompts (it is
 first in line, so it waits only for its own prompt's share). Classes are served in strict
 priority; within a class streams go first, then FIFO: a stream's client sees its first token,
-a whole answer's client only the end, which a short wait before it starts barely moves. The
-queue is bounded in length and in wait; a full queue sheds its lowest-priority newest waiter
+a whole answer's client only the end, which a short wait before it starts barely moves.
+
+Under overload a lane turns LIFO: while its oldest waiter has waited past `lifo_after_s` (the
+TTFT SLO), the newest goes first. FIFO then serves every waiter just as late as the queue is
+long, and none within its SLO; LIFO serves the fresh ones at once and the late ones, late
+anyway, once the burst is over ("adaptive LIFO", B. Maurer, "Fail at Scale", ACM Queue 13(8),
+2015). The queue is bounded in length and in wait; a full queue sheds its lowest-priority newest waiter
 before it refuses a higher-priority arrival. Every granted `Slot` is released exactly once.
 """
 
@@ -95,9 +100,11 @@ class AdmissionQueue:
         valley_fill: bool = False,
         fill_reserve_frac: float = 0.1,
         prefill_burst_s: float = 0.25,
+        lifo_after_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.limits = limits
+        self.lifo_after_s = lifo_after_s  # None: FIFO always
         self.max_queue_len = max_queue_len
         waits = {"high": 30.0, "normal": 30.0, "low": 300.0 if valley_fill else 30.0}
         waits.update(max_wait_s or {})
@@ -320,24 +327,35 @@ class AdmissionQueue:
         if self.queued:  # nobody waiting: nothing to grant (records of the gone wait too)
             self._dispatch()
 
-    def _head(self) -> _Waiter | None:
+    def _head(self, now: float) -> _Waiter | None:
+        """The next waiter: the first lane's oldest, or its newest while that lane is LIFO."""
         for lane in LANES:
             q = self._queues[lane]
             # A waiter whose task was cancelled may not have run its cleanup yet: skip it,
             # or its slot would be granted to no one and never released.
             while q and (q[0].gone or q[0].future.done()):
                 self._forget(q.popleft())
-            if q:
+            if not q:
+                continue
+            late = self.lifo_after_s is not None and now - q[0].t_enqueued_s > self.lifo_after_s
+            if not late:
                 return q[0]
+            while q[-1].gone or q[-1].future.done():  # q[0] is live: this stops there
+                self._forget(q.pop())
+            return q[-1]
         return None
 
     def _dispatch(self) -> None:
         now = self._clock()
-        while (w := self._head()) is not None:
+        while (w := self._head(now)) is not None:
             if not self._fits(w.priority, w.kv_tokens, w.prefill_tokens, now, w.requests):
                 self._schedule_refill_wakeup()
                 return
-            self._queues[w.lane].popleft()
+            q = self._queues[w.lane]
+            if q[0] is w:
+                q.popleft()
+            else:
+                q.pop()
             w.gone = True
             self._live[w.priority] -= 1
             slot = self._grant(
@@ -349,7 +367,7 @@ class AdmissionQueue:
         rate = self.limits.prefill_tok_s
         if rate is None or self._wakeup is not None:
             return
-        head = self._head()
+        head = self._head(self._clock())
         want = self._bucket_needed(head.prefill_tokens) if head else 0.0
         if self._bucket >= want:
             return

@@ -17,6 +17,11 @@ class AdmissionSettings:
         30.0, "longest wait in the queue, s (low class: 10x with valley fill)", gt=0
     )
     valley_fill: bool = setting(False, "hold deferrable (low) work for power troughs")
+    # Adaptive LIFO (powerbatch.admission.queue): FIFO serves every waiter of an overloaded
+    # class late; LIFO serves the fresh ones in time and the late ones after the burst.
+    overload_lifo: bool = setting(
+        True, "newest first in a class whose oldest waiter has waited past the TTFT SLO"
+    )
     # The prefill pace is a token bucket this many seconds deep: in any one second, up to
     # (1 + prefill_burst_s) x the pace may start. Deeper lets an idle queue's first burst land
     # as a burst of watts; shallower makes a long prompt wait for a fuller bucket.

@@ -167,6 +167,7 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
         max_wait_s=a.waits_s(),
         valley_fill=a.valley_fill,
         prefill_burst_s=a.prefill_burst_s,
+        lifo_after_s=cfg.ttft_slo_s if a.overload_lifo else None,
     )
     source = factory.make_power_source(s.power, kind, dcgm_url=dcgm_url(s), limiter=s.limiter)
     monitor = factory.make_monitor(s.power, source, kind, cfg.ceiling_w)

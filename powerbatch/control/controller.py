@@ -132,7 +132,7 @@ class Controller:
         judged = self.power.judge(obs, power_w, here_w, ceiling_w, capped, censored)
         if not warming:
             self.power.update_multiplier(judged.violation_w, ceiling_w)
-            self.latency.update(obs.t_s, obs.latency, in_flight)
+            self.latency.update(obs.t_s, obs.latency, in_flight, obs.engine)
             self.kv.update(obs.kv_cache_usage)
         self.engine.update(obs.engine, obs.in_flight)
         target_w = judged.goal_w - self.power.multiplier

@@ -10,6 +10,12 @@ engine without it, the requests sent to it per second; until two scrapes have me
 there is no load to act on. A failed scrape keeps the last load (its time unchanged, so the law
 holds its cap and does not act on it again) for up to `MISSES_KEPT` scrapes in a row: one scrape
 lost to a busy moment must not let the whole backlog into the engine's first-come queue.
+
+The time per output token now: each running request gets one token a step, so the running count
+(its mean over the two scrapes) over the tokens generated per second between them is the step
+time a running request sees (vLLM's `vllm:generation_tokens` counter). A request's TPOT is the
+mean of its steps, so this is what the requests running now will show at their end, seconds to
+minutes before a window of finished requests' p95 does.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ class EngineQueue:
         self._rate: float | None = None
         self.load: EngineLoad | None = None  # None until a start rate has been measured
         self._misses = 0  # failed scrapes in a row
+        self._tokens: tuple[float, float, float] | None = None  # (t_s, generated, running)
+        self._token_s: float | None = None
 
     def update(self, up: UpstreamSignals | None, admitted: int, in_flight: int) -> None:
         if up is None or up.requests_waiting is None or up.t_s is None:
@@ -48,7 +56,26 @@ class EngineQueue:
             rate = max(0.0, count - self._last[1]) / (up.t_s - self._last[0])
             self._rate = ewma_step(self._rate, rate, RATE_WEIGHT)
         self._last = (up.t_s, count)
+        self._update_token_s(up)
         # No rate, no buffer that keeps the engine fed: the law waits for a second scrape.
         self.load = None
         if self._rate is not None:
-            self.load = EngineLoad(up.requests_waiting, in_flight, self._rate, up.t_s)
+            self.load = EngineLoad(
+                up.requests_waiting, in_flight, self._rate, up.t_s, self._token_s
+            )
+
+    def _update_token_s(self, up: UpstreamSignals) -> None:
+        generated, running = up.generation_tokens_total, up.requests_running
+        if generated is None or running is None or up.t_s is None:
+            self._tokens = self._token_s = None
+            return
+        last, self._tokens = self._tokens, (up.t_s, generated, running)
+        if last is None or up.t_s <= last[0]:
+            return
+        tokens = generated - last[1]
+        mean_running = 0.5 * (running + last[2])
+        if tokens <= 0 or mean_running < 1.0:
+            self._token_s = None  # nothing decoding: no step time to speak of
+            return
+        token_s = mean_running * (up.t_s - last[0]) / tokens
+        self._token_s = ewma_step(self._token_s, token_s, RATE_WEIGHT)
