@@ -340,3 +340,41 @@ def test_a_free_slot_is_granted_without_waiting_and_a_busy_queue_says_so() -> No
         assert q.try_admit("normal", 1, 1) is None and q.in_flight == 0
 
     run(main())
+
+
+@pytest.mark.parametrize(
+    ("lifo_after_s", "free_at_s", "expected"),
+    [
+        (None, 2.5, ["a", "b", "c"]),  # FIFO: every waiter as late as the queue is long
+        (2.0, 2.5, ["c", "b", "a"]),  # the oldest waited past 2 s: newest first
+        (2.0, 1.0, ["a", "b", "c"]),  # a queue younger than 2 s stays FIFO
+    ],
+)
+def test_an_overloaded_class_serves_its_newest_first_and_its_late_after(
+    lifo_after_s: float | None, free_at_s: float, expected: list[str]
+) -> None:
+    """Adaptive LIFO, per class: the fresh waiters can still be served in time."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        q = AdmissionQueue(AdmissionLimits(1, 10**9), lifo_after_s=lifo_after_s, clock=loop.time)
+        blocker = await q.admit("normal", 1, 1)
+        order: list[str] = []
+
+        async def one(name: str) -> None:
+            slot = await q.admit("normal", 1, 1)
+            order.append(name)
+            await asyncio.sleep(0.5)
+            slot.release()
+
+        tasks = []
+        for name in ("a", "b", "c"):
+            tasks.append(asyncio.create_task(one(name)))
+            await asyncio.sleep(0)  # enqueue in this order, all at 0 s
+        await asyncio.sleep(free_at_s)
+        blocker.release()
+        await asyncio.gather(*tasks)
+        assert order == expected
+        assert q.in_flight == 0 and q.queued == 0
+
+    run_virtual(main())

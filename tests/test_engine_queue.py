@@ -62,6 +62,28 @@ def test_a_lost_scrape_neither_drops_the_load_nor_skews_the_rate() -> None:
     assert q.load is not None and q.load.start_rate == pytest.approx(4.0)  # 8 over 2 s
 
 
+def test_the_step_time_is_the_inter_token_latencys_mean_between_scrapes() -> None:
+    q = EngineQueue()
+
+    def at(t_s: float, itl_sum_s: float, itl_count: float) -> UpstreamSignals:
+        return UpstreamSignals(
+            50, 0, 0.5, t_s, requests_started_total=t_s, itl_sum_s=itl_sum_s, itl_count=itl_count
+        )
+
+    q.update(at(0.0, 300.0, 5_000.0), admitted=40, in_flight=40)
+    q.update(at(1.0, 350.0, 5_500.0), admitted=60, in_flight=60)
+    # 500 tokens after a first in 1 s, 50 s waited for them: 0.1 s a token.
+    assert q.load is not None and q.load.token_s == pytest.approx(0.1)
+    q.update(at(2.0, 410.0, 5_800.0), admitted=60, in_flight=60)  # 0.2 s a token: smoothed
+    assert q.load is not None and q.load.token_s == pytest.approx(0.1 + 0.3 * 0.1)
+    q.update(at(3.0, 410.0, 5_800.0), admitted=60, in_flight=0)  # nothing decoded
+    assert q.load is not None and q.load.token_s is None
+    q.update(at(4.0, 1.0, 10.0), admitted=60, in_flight=5)  # the engine restarted
+    assert q.load is not None and q.load.token_s is None
+    q.update(UpstreamSignals(5, 0, 0.5, 5.0, 5.0), admitted=60, in_flight=5)
+    assert q.load is not None and q.load.token_s is None  # an engine without the histogram
+
+
 @pytest.mark.parametrize("law", [True, False])
 def test_work_the_engine_cannot_start_waits_in_the_proxy_where_a_stream_goes_first(
     law: bool,

@@ -48,6 +48,10 @@ def test_max_num_seqs_is_respected_and_all_finish() -> None:
     assert all(r.num_output == 10 and r.finish_reason == "length" for r in reqs)
     assert engine.generation_tokens_total == 100
     assert engine.prompt_tokens_total == 200
+    # vLLM's inter-token latency: every output after a request's first, the time since its last
+    assert engine.itl_count == 10 * 9
+    spans = [r.last_token_s - r.first_token_s for r in reqs if r.first_token_s is not None]
+    assert engine.itl_total_s == pytest.approx(math.fsum(spans))
     assert engine.kv_tokens == 0 and engine.num_running == 0
 
 

@@ -11,8 +11,9 @@ Under overload a lane turns LIFO: while its oldest waiter has waited past `lifo_
 TTFT SLO), the newest goes first. FIFO then serves every waiter just as late as the queue is
 long, and none within its SLO; LIFO serves the fresh ones at once and the late ones, late
 anyway, once the burst is over ("adaptive LIFO", B. Maurer, "Fail at Scale", ACM Queue 13(8),
-2015). The queue is bounded in length and in wait; a full queue sheds its lowest-priority newest waiter
-before it refuses a higher-priority arrival. Every granted `Slot` is released exactly once.
+2015). The queue is bounded in length and in wait; a full queue sheds its lowest-priority
+newest waiter before it refuses a higher-priority arrival. Every granted `Slot` is released
+exactly once.
 """
 
 from __future__ import annotations

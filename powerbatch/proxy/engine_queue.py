@@ -11,11 +11,13 @@ there is no load to act on. A failed scrape keeps the last load (its time unchan
 holds its cap and does not act on it again) for up to `MISSES_KEPT` scrapes in a row: one scrape
 lost to a busy moment must not let the whole backlog into the engine's first-come queue.
 
-The time per output token now: each running request gets one token a step, so the running count
-(its mean over the two scrapes) over the tokens generated per second between them is the step
-time a running request sees (vLLM's `vllm:generation_tokens` counter). A request's TPOT is the
-mean of its steps, so this is what the requests running now will show at their end, seconds to
-minutes before a window of finished requests' p95 does.
+The time per output token now: the rises of vLLM's inter-token latency histogram's sum and
+count between two scrapes (`vllm:inter_token_latency_seconds`, observed at each output after a
+request's first) are the mean time a running request waited per token in between. A request's
+TPOT is the mean of its steps, so this is what the requests running now will show at their
+end, seconds to minutes before a window of finished requests' p95 does. (The running count
+over the generated tokens per second would count the requests in prefill, which make no
+tokens, as slow decodes.)
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class EngineQueue:
         self._rate: float | None = None
         self.load: EngineLoad | None = None  # None until a start rate has been measured
         self._misses = 0  # failed scrapes in a row
-        self._tokens: tuple[float, float, float] | None = None  # (t_s, generated, running)
+        self._tokens: tuple[float, float, float] | None = None  # (t_s, ITL sum, ITL count)
         self._token_s: float | None = None
 
     def update(self, up: UpstreamSignals | None, admitted: int, in_flight: int) -> None:
@@ -65,17 +67,14 @@ class EngineQueue:
             )
 
     def _update_token_s(self, up: UpstreamSignals) -> None:
-        generated, running = up.generation_tokens_total, up.requests_running
-        if generated is None or running is None or up.t_s is None:
+        if up.itl_sum_s is None or up.itl_count is None or up.t_s is None:
             self._tokens = self._token_s = None
             return
-        last, self._tokens = self._tokens, (up.t_s, generated, running)
+        last, self._tokens = self._tokens, (up.t_s, up.itl_sum_s, up.itl_count)
         if last is None or up.t_s <= last[0]:
             return
-        tokens = generated - last[1]
-        mean_running = 0.5 * (running + last[2])
-        if tokens <= 0 or mean_running < 1.0:
-            self._token_s = None  # nothing decoding: no step time to speak of
+        count, total_s = up.itl_count - last[2], up.itl_sum_s - last[1]
+        if count <= 0 or total_s < 0:  # nothing decoded, or the engine restarted
+            self._token_s = None
             return
-        token_s = mean_running * (up.t_s - last[0]) / tokens
-        self._token_s = ewma_step(self._token_s, token_s, RATE_WEIGHT)
+        self._token_s = ewma_step(self._token_s, total_s / count, RATE_WEIGHT)

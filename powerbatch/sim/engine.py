@@ -101,6 +101,7 @@ class SimRequest:
         "blocks",
         "finish_reason",
         "first_token_s",
+        "last_token_s",
         "max_tokens",
         "num_computed",
         "num_output",
@@ -129,6 +130,7 @@ class SimRequest:
         self.blocks = 0
         self.preemptions = 0
         self.first_token_s: float | None = None
+        self.last_token_s = 0.0
         self.finish_reason: str | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._notify_at = 0
@@ -231,6 +233,10 @@ class SimEngine:
         self.generation_tokens_total = 0
         self.requests_started_total = 0  # first outputs, as vLLM's TTFT histogram counts them
         self.ttft_total_s = 0.0
+        # vLLM's inter-token latency histogram (vllm/v1/metrics/stats.py): each output after a
+        # request's first, the time since its last.
+        self.itl_total_s = 0.0
+        self.itl_count = 0
         self.preemptions_total = 0
         self.steps_total = 0
         self.requests_finished = 0
@@ -617,6 +623,10 @@ class SimEngine:
                 self.requests_finished += 1
                 any_done = True
                 continue
+            if req.num_output > 0:
+                self.itl_total_s += now_s - req.last_token_s
+                self.itl_count += 1
+            req.last_token_s = now_s
             req.num_output += 1
             self.generation_tokens_total += 1
             if req.num_output >= req.max_tokens:

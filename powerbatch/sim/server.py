@@ -551,6 +551,11 @@ class _SimCollector(Collector):
         )
         h.add_metric(value, [("+Inf", float(e.requests_started_total))], e.ttft_total_s)
         yield h
+        h = HistogramMetricFamily(
+            "vllm:inter_token_latency_seconds", "Inter-token latency.", labels=labels
+        )
+        h.add_metric(value, [("+Inf", float(e.itl_count))], e.itl_total_s)
+        yield h
 
         yield from self._gpu_fields()
 

@@ -178,9 +178,11 @@ class UpstreamSignals:
     # Requests the engine has given a first token, ever: the count of vLLM's TTFT histogram
     # (observed once per request, at its first output: vllm/v1/metrics/stats.py).
     requests_started_total: float | None = None
-    # Tokens the engine has generated, ever (vLLM's `vllm:generation_tokens` counter): over the
-    # running count, the time each running request waits per token now.
-    generation_tokens_total: float | None = None
+    # vLLM's inter-token latency histogram's sum and count (each output after a request's
+    # first, the time since its last: vllm/v1/metrics/stats.py): their rises between two
+    # scrapes are the mean time a running request waited per token in between.
+    itl_sum_s: float | None = None
+    itl_count: float | None = None
 
 
 class UpstreamMetricsScraper:
@@ -194,7 +196,8 @@ class UpstreamMetricsScraper:
     WAITING = "vllm:num_requests_waiting"
     KV_CACHE = "vllm:kv_cache_usage_perc"
     STARTED = "vllm:time_to_first_token_seconds_count"
-    GENERATED = "vllm:generation_tokens_total"
+    ITL_SUM = "vllm:inter_token_latency_seconds_sum"
+    ITL_COUNT = "vllm:inter_token_latency_seconds_count"
 
     def __init__(
         self,
@@ -223,14 +226,16 @@ class UpstreamMetricsScraper:
         waiting = self._values(scrape, self.WAITING)
         kv_cache = self._values(scrape, self.KV_CACHE)
         started = self._values(scrape, self.STARTED)
-        generated = self._values(scrape, self.GENERATED)
+        itl_sum = self._values(scrape, self.ITL_SUM)
+        itl_count = self._values(scrape, self.ITL_COUNT)
         return UpstreamSignals(
             requests_running=None if running is None else sum(running),
             requests_waiting=None if waiting is None else sum(waiting),
             kv_cache_usage=None if kv_cache is None else sum(kv_cache) / len(kv_cache),
             t_s=t_s,
             requests_started_total=None if started is None else sum(started),
-            generation_tokens_total=None if generated is None else sum(generated),
+            itl_sum_s=None if itl_sum is None else sum(itl_sum),
+            itl_count=None if itl_count is None else sum(itl_count),
         )
 
     async def close(self) -> None:
