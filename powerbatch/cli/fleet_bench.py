@@ -192,6 +192,8 @@ async def _poll(
                     "queued": queue.get("queued_total"),
                     "binding": doc.get("binding"),
                     "predicted_w": doc["power"].get("predicted_w"),
+                    "token_s": (doc.get("upstream") or {}).get("token_s"),
+                    "lambda_latency": (doc.get("multipliers") or {}).get("latency"),
                     **{f"bid_{k}": v for k, v in bid.items()},
                 }
             )

@@ -123,6 +123,7 @@ class ProxyFeatures:
                     "requests_started_per_s": eq.start_rate
                     if (eq := self.engine_queue.load)
                     else None,
+                    "token_s": eq.token_s if eq else None,
                 }
                 if up
                 else None
