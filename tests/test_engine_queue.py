@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import aiohttp
 import pytest
@@ -62,7 +63,7 @@ def test_a_lost_scrape_neither_drops_the_load_nor_skews_the_rate() -> None:
     assert q.load is not None and q.load.start_rate == pytest.approx(4.0)  # 8 over 2 s
 
 
-def test_the_step_time_is_the_inter_token_latencys_mean_between_scrapes() -> None:
+def test_the_time_per_token_is_the_inter_token_latency_over_a_requests_decode_time() -> None:
     q = EngineQueue()
 
     def at(t_s: float, itl_sum_s: float, itl_count: float) -> UpstreamSignals:
@@ -71,16 +72,21 @@ def test_the_step_time_is_the_inter_token_latencys_mean_between_scrapes() -> Non
         )
 
     q.update(at(0.0, 300.0, 5_000.0), admitted=40, in_flight=40)
-    q.update(at(1.0, 350.0, 5_500.0), admitted=60, in_flight=60)
+    q.update(at(1.0, 350.0, 5_500.0), admitted=60, in_flight=60, horizon_s=10.0)
     # 500 tokens after a first in 1 s, 50 s waited for them: 0.1 s a token.
     assert q.load is not None and q.load.token_s == pytest.approx(0.1)
-    q.update(at(2.0, 410.0, 5_800.0), admitted=60, in_flight=60)  # 0.2 s a token: smoothed
-    assert q.load is not None and q.load.token_s == pytest.approx(0.1 + 0.3 * 0.1)
-    q.update(at(3.0, 410.0, 5_800.0), admitted=60, in_flight=0)  # nothing decoded
-    assert q.load is not None and q.load.token_s is None
-    q.update(at(4.0, 1.0, 10.0), admitted=60, in_flight=5)  # the engine restarted
-    assert q.load is not None and q.load.token_s is None
-    q.update(UpstreamSignals(5, 0, 0.5, 5.0, 5.0), admitted=60, in_flight=5)
+    assert q.load.step_s == pytest.approx(0.1)
+    # One slow second (0.5 s a token, a prefill burst): the step now says so at once, the
+    # average over a 10-s decode a little.
+    q.update(at(2.0, 400.0, 5_600.0), admitted=60, in_flight=60, horizon_s=10.0)
+    assert q.load is not None and q.load.step_s == pytest.approx(0.1 + 0.3 * 0.4)
+    keep = math.exp(-0.1)
+    average = (keep * 50.0 + 50.0) / (keep * 500.0 + 100.0)
+    assert q.load.token_s == pytest.approx(average)
+    assert q.load.token_s < 0.2
+    q.update(at(3.0, 1.0, 10.0), admitted=60, in_flight=5)  # the engine restarted
+    assert q.load is not None and q.load.token_s is None and q.load.step_s is None
+    q.update(UpstreamSignals(5, 0, 0.5, 4.0, 4.0), admitted=60, in_flight=5)
     assert q.load is not None and q.load.token_s is None  # an engine without the histogram
 
 

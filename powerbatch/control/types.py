@@ -72,14 +72,16 @@ class EngineLoad:
     """The upstream engine's own queue, as of one scrape of its metrics (`t_s` tells one
     scrape from the next): `queued` requests it will not start this step (vLLM's waiting
     queue), out of the `in_flight` admitted then; `start_rate` the requests it starts per
-    second; `token_s` the time a running request waits per output token now (its running count
-    over its tokens generated per second), None where the engine does not say."""
+    second; `token_s` the time a running request waits per output token, averaged over a
+    request's decode time (what its TPOT will show), and `step_s` the same over the last few
+    scrapes (whether the step is slow now); None where the engine does not say."""
 
     queued: float
     in_flight: int
     start_rate: float
     t_s: float
     token_s: float | None = None
+    step_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,16 +11,22 @@ there is no load to act on. A failed scrape keeps the last load (its time unchan
 holds its cap and does not act on it again) for up to `MISSES_KEPT` scrapes in a row: one scrape
 lost to a busy moment must not let the whole backlog into the engine's first-come queue.
 
-The time per output token now: the rises of vLLM's inter-token latency histogram's sum and
-count between two scrapes (`vllm:inter_token_latency_seconds`, observed at each output after a
-request's first) are the mean time a running request waited per token in between. A request's
-TPOT is the mean of its steps, so this is what the requests running now will show at their
-end, seconds to minutes before a window of finished requests' p95 does. (The running count
-over the generated tokens per second would count the requests in prefill, which make no
-tokens, as slow decodes.)
+The time per output token: the rises of vLLM's inter-token latency histogram's sum and count
+(`vllm:inter_token_latency_seconds`, observed at each output after a request's first) between
+scrapes give the time a running request waited per token. A request's TPOT is the mean of its
+steps over its decode time, so the rises are averaged over that horizon (an exponential
+average of both with the answers' mean decode time as time constant, `horizon_s`; until an
+answer has measured it, over the last interval alone): a prefill burst that slows a few steps
+slows no request much, a batch too large for the SLO slows every one. That is what the requests
+running now will show at their end, a request's length before a window of finished requests'
+p95 does. The last intervals' own (`step_s`, an EWMA of `RATE_WEIGHT` a scrape) say whether the
+step is still slow now, after a shrink the average still remembers. (The running count over the generated tokens per second would count the requests in
+prefill, which make no tokens, as slow decodes.)
 """
 
 from __future__ import annotations
+
+import math
 
 from powerbatch.control import EngineLoad
 from powerbatch.telemetry import UpstreamSignals
@@ -44,9 +50,16 @@ class EngineQueue:
         self.load: EngineLoad | None = None  # None until a start rate has been measured
         self._misses = 0  # failed scrapes in a row
         self._tokens: tuple[float, float, float] | None = None  # (t_s, ITL sum, ITL count)
-        self._token_s: float | None = None
+        self._itl = (0.0, 0.0)  # the ITL sum's and count's rises, averaged over the horizon
+        self._step_s: float | None = None  # the last intervals' mean ITL
 
-    def update(self, up: UpstreamSignals | None, admitted: int, in_flight: int) -> None:
+    def update(
+        self,
+        up: UpstreamSignals | None,
+        admitted: int,
+        in_flight: int,
+        horizon_s: float | None = None,
+    ) -> None:
         if up is None or up.requests_waiting is None or up.t_s is None:
             self._misses += 1
             if self._misses > MISSES_KEPT:
@@ -58,23 +71,32 @@ class EngineQueue:
             rate = max(0.0, count - self._last[1]) / (up.t_s - self._last[0])
             self._rate = ewma_step(self._rate, rate, RATE_WEIGHT)
         self._last = (up.t_s, count)
-        self._update_token_s(up)
+        self._update_token_s(up, horizon_s)
         # No rate, no buffer that keeps the engine fed: the law waits for a second scrape.
         self.load = None
         if self._rate is not None:
             self.load = EngineLoad(
-                up.requests_waiting, in_flight, self._rate, up.t_s, self._token_s
+                up.requests_waiting, in_flight, self._rate, up.t_s, self.token_s, self._step_s
             )
 
-    def _update_token_s(self, up: UpstreamSignals) -> None:
+    def _update_token_s(self, up: UpstreamSignals, horizon_s: float | None) -> None:
         if up.itl_sum_s is None or up.itl_count is None or up.t_s is None:
-            self._tokens = self._token_s = None
+            self._tokens, self._itl, self._step_s = None, (0.0, 0.0), None
             return
         last, self._tokens = self._tokens, (up.t_s, up.itl_sum_s, up.itl_count)
         if last is None or up.t_s <= last[0]:
             return
         count, total_s = up.itl_count - last[2], up.itl_sum_s - last[1]
-        if count <= 0 or total_s < 0:  # nothing decoded, or the engine restarted
-            self._token_s = None
+        if count < 0 or total_s < 0:  # the engine restarted: its counts begin again
+            self._itl, self._step_s = (0.0, 0.0), None
             return
-        self._token_s = ewma_step(self._token_s, total_s / count, RATE_WEIGHT)
+        dt = up.t_s - last[0]
+        keep = math.exp(-dt / horizon_s) if horizon_s and horizon_s > 0 else 0.0
+        self._itl = (keep * self._itl[0] + total_s, keep * self._itl[1] + count)
+        if count > 0:
+            self._step_s = ewma_step(self._step_s, total_s / count, RATE_WEIGHT)
+
+    @property
+    def token_s(self) -> float | None:
+        total_s, count = self._itl
+        return total_s / count if count >= 1.0 else None

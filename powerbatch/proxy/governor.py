@@ -139,7 +139,12 @@ class ProxyFeatures:
                 log.debug("upstream metrics scrape failed: %s", exc)
                 self.upstream = None
             q = self.queue
-            self.engine_queue.update(self.upstream, q.stats.requests_admitted_total, q.in_flight)
+            self.engine_queue.update(
+                self.upstream,
+                q.stats.requests_admitted_total,
+                q.in_flight,
+                horizon_s=self.latency_window.decode_s,
+            )
             await asyncio.sleep(interval_s)
 
 
