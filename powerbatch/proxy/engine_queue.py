@@ -20,8 +20,9 @@ answer has measured it, over the last interval alone): a prefill burst that slow
 slows no request much, a batch too large for the SLO slows every one. That is what the requests
 running now will show at their end, a request's length before a window of finished requests'
 p95 does. The last intervals' own (`step_s`, an EWMA of `RATE_WEIGHT` a scrape) say whether the
-step is still slow now, after a shrink the average still remembers. (The running count over the generated tokens per second would count the requests in
-prefill, which make no tokens, as slow decodes.)
+step is still slow now, after a shrink the average still remembers. (The running count over
+the generated tokens per second would count the requests in prefill, which make no tokens, as
+slow decodes.)
 """
 
 from __future__ import annotations
