@@ -193,6 +193,7 @@ async def _poll(
                     "binding": doc.get("binding"),
                     "predicted_w": doc["power"].get("predicted_w"),
                     "token_s": (doc.get("upstream") or {}).get("token_s"),
+                    "step_s": (doc.get("upstream") or {}).get("step_s"),
                     "lambda_latency": (doc.get("multipliers") or {}).get("latency"),
                     **{f"bid_{k}": v for k, v in bid.items()},
                 }

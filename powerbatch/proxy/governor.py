@@ -124,6 +124,7 @@ class ProxyFeatures:
                     if (eq := self.engine_queue.load)
                     else None,
                     "token_s": eq.token_s if eq else None,
+                    "step_s": eq.step_s if eq else None,
                 }
                 if up
                 else None
