@@ -72,6 +72,9 @@ def test_the_time_per_token_is_the_inter_token_latency_over_a_requests_decode_ti
         )
 
     q.update(at(0.0, 300.0, 5_000.0), admitted=40, in_flight=40)
+    q.update(at(0.5, 325.0, 5_250.0), admitted=40, in_flight=40)
+    # No answer has said how long a request decodes: no horizon to average over.
+    assert q.load is not None and q.load.token_s is None and q.load.step_s == pytest.approx(0.1)
     q.update(at(1.0, 350.0, 5_500.0), admitted=60, in_flight=60, horizon_s=10.0)
     # 500 tokens after a first in 1 s, 50 s waited for them: 0.1 s a token.
     assert q.load is not None and q.load.token_s == pytest.approx(0.1)
@@ -80,8 +83,8 @@ def test_the_time_per_token_is_the_inter_token_latency_over_a_requests_decode_ti
     # average over a 10-s decode a little.
     q.update(at(2.0, 400.0, 5_600.0), admitted=60, in_flight=60, horizon_s=10.0)
     assert q.load is not None and q.load.step_s == pytest.approx(0.1 + 0.3 * 0.4)
-    keep = math.exp(-0.1)
-    average = (keep * 50.0 + 50.0) / (keep * 500.0 + 100.0)
+    keep, first = math.exp(-0.1), math.exp(-0.05)
+    average = (keep * (first * 25.0 + 25.0) + 50.0) / (keep * (first * 250.0 + 250.0) + 100.0)
     assert q.load.token_s == pytest.approx(average)
     assert q.load.token_s < 0.2
     q.update(at(3.0, 1.0, 10.0), admitted=60, in_flight=5)  # the engine restarted

@@ -15,8 +15,8 @@ The time per output token: the rises of vLLM's inter-token latency histogram's s
 (`vllm:inter_token_latency_seconds`, observed at each output after a request's first) between
 scrapes give the time a running request waited per token. A request's TPOT is the mean of its
 steps over its decode time, so the rises are averaged over that horizon (an exponential
-average of both with the answers' mean decode time as time constant, `horizon_s`; until an
-answer has measured it, over the last interval alone): a prefill burst that slows a few steps
+average of both with the answers' mean decode time as time constant, `horizon_s`; none until
+an answer has measured it: one interval alone is one prefill burst): a prefill burst that slows a few steps
 slows no request much, a batch too large for the SLO slows every one. That is what the requests
 running now will show at their end, a request's length before a window of finished requests'
 p95 does. The last intervals' own (`step_s`, an EWMA of `RATE_WEIGHT` a scrape) say whether the
@@ -53,6 +53,7 @@ class EngineQueue:
         self._tokens: tuple[float, float, float] | None = None  # (t_s, ITL sum, ITL count)
         self._itl = (0.0, 0.0)  # the ITL sum's and count's rises, averaged over the horizon
         self._step_s: float | None = None  # the last intervals' mean ITL
+        self._horizon_s: float | None = None  # a request's decode time, once an answer says
 
     def update(
         self,
@@ -91,8 +92,8 @@ class EngineQueue:
         if count < 0 or total_s < 0:  # the engine restarted: its counts begin again
             self._itl, self._step_s = (0.0, 0.0), None
             return
-        dt = up.t_s - last[0]
-        keep = math.exp(-dt / horizon_s) if horizon_s and horizon_s > 0 else 0.0
+        self._horizon_s = horizon_s
+        keep = math.exp(-(up.t_s - last[0]) / horizon_s) if horizon_s else 0.0
         self._itl = (keep * self._itl[0] + total_s, keep * self._itl[1] + count)
         if count > 0:
             self._step_s = ewma_step(self._step_s, total_s / count, RATE_WEIGHT)
@@ -100,4 +101,4 @@ class EngineQueue:
     @property
     def token_s(self) -> float | None:
         total_s, count = self._itl
-        return total_s / count if count >= 1.0 else None
+        return total_s / count if count >= 1.0 and self._horizon_s else None
