@@ -14,15 +14,15 @@ lost to a busy moment must not let the whole backlog into the engine's first-com
 The time per output token: the rises of vLLM's inter-token latency histogram's sum and count
 (`vllm:inter_token_latency_seconds`, observed at each output after a request's first) between
 scrapes give the time a running request waited per token. A request's TPOT is the mean of its
-steps over its decode time, so the rises are averaged over that horizon (an exponential
-average of both with the answers' mean decode time as time constant, `horizon_s`; none until
-an answer has measured it: one interval alone is one prefill burst): a prefill burst that
-slows a few steps slows no request much, a batch too large for the SLO slows every one. That is what the requests
-running now will show at their end, a request's length before a window of finished requests'
-p95 does. The last intervals' own (`step_s`, an EWMA of `RATE_WEIGHT` a scrape) say whether the
-step is still slow now, after a shrink the average still remembers. (The running count over
-the generated tokens per second would count the requests in prefill, which make no tokens, as
-slow decodes.)
+steps over its decode time, so the rises are averaged over that horizon (an exponential average
+of both with the answers' mean decode time as time constant, `horizon_s`; none until an answer
+has measured it: one interval alone is one prefill burst): a prefill burst that slows a few
+steps slows no request much, a batch too large for the SLO slows every one. That is what the
+requests running now will show at their end, a request's length before a window of finished
+requests' p95 does. The last intervals' own (`step_s`, an EWMA of `RATE_WEIGHT` a scrape) say
+whether the step is still slow now, after a shrink the average still remembers. (The running
+count over the generated tokens per second would count the requests in prefill, which make no
+tokens, as slow decodes.)
 """
 
 from __future__ import annotations
