@@ -66,28 +66,36 @@ def test_a_lost_scrape_neither_drops_the_load_nor_skews_the_rate() -> None:
 def test_the_time_per_token_is_the_inter_token_latency_over_a_requests_decode_time() -> None:
     q = EngineQueue()
 
-    def at(t_s: float, itl_sum_s: float, itl_count: float) -> UpstreamSignals:
+    def at(t_s: float, itl_sum_s: float, itl_count: float, finished: float) -> UpstreamSignals:
         return UpstreamSignals(
-            50, 0, 0.5, t_s, requests_started_total=t_s, itl_sum_s=itl_sum_s, itl_count=itl_count
+            50,
+            0,
+            0.5,
+            t_s,
+            requests_started_total=t_s,
+            itl_sum_s=itl_sum_s,
+            itl_count=itl_count,
+            decode_sum_s=10.0 * finished,  # every request decodes for 10 s
+            decode_count=finished,
         )
 
-    q.update(at(0.0, 300.0, 5_000.0), admitted=40, in_flight=40)
-    q.update(at(0.5, 325.0, 5_250.0), admitted=40, in_flight=40)
-    # No answer has said how long a request decodes: no horizon to average over.
+    q.update(at(0.0, 300.0, 5_000.0, 7), admitted=40, in_flight=40)
+    q.update(at(0.5, 325.0, 5_250.0, 7), admitted=40, in_flight=40)
+    # No request has finished since the proxy began: no decode time to average over.
     assert q.load is not None and q.load.token_s is None and q.load.step_s == pytest.approx(0.1)
-    q.update(at(1.0, 350.0, 5_500.0), admitted=60, in_flight=60, horizon_s=10.0)
-    # 500 tokens after a first in 1 s, 50 s waited for them: 0.1 s a token.
+    q.update(at(1.0, 350.0, 5_500.0, 9), admitted=60, in_flight=60)
+    # 250 tokens after a first in 0.5 s, 25 s waited for them: 0.1 s a token.
     assert q.load is not None and q.load.token_s == pytest.approx(0.1)
     assert q.load.step_s == pytest.approx(0.1)
     # One slow second (0.5 s a token, a prefill burst): the step now says so at once, the
     # average over a 10-s decode a little.
-    q.update(at(2.0, 400.0, 5_600.0), admitted=60, in_flight=60, horizon_s=10.0)
+    q.update(at(2.0, 400.0, 5_600.0, 9), admitted=60, in_flight=60)
     assert q.load is not None and q.load.step_s == pytest.approx(0.1 + 0.3 * 0.4)
     keep, first = math.exp(-0.1), math.exp(-0.05)
     average = (keep * (first * 25.0 + 25.0) + 50.0) / (keep * (first * 250.0 + 250.0) + 100.0)
     assert q.load.token_s == pytest.approx(average)
     assert q.load.token_s < 0.2
-    q.update(at(3.0, 1.0, 10.0), admitted=60, in_flight=5)  # the engine restarted
+    q.update(at(3.0, 1.0, 10.0, 0), admitted=60, in_flight=5)  # the engine restarted
     assert q.load is not None and q.load.token_s is None and q.load.step_s is None
     q.update(UpstreamSignals(5, 0, 0.5, 4.0, 4.0), admitted=60, in_flight=5)
     assert q.load is not None and q.load.token_s is None  # an engine without the histogram
@@ -169,3 +177,48 @@ def test_work_the_engine_cannot_start_waits_in_the_proxy_where_a_stream_goes_fir
 
 
 LOWS = 30
+
+
+def test_the_engines_time_per_token_reaches_status_from_its_scraped_histogram() -> None:
+    """The wiring: the sim's `vllm:inter_token_latency_seconds`, scraped by the proxy, averaged
+    over the answers' decode time, is what `/status` shows and the latency law reads."""
+
+    async def main() -> tuple[float | None, float]:
+        engine = SimEngine(seed=3)
+        sim = await start_sim_server(engine, stream_interval_tokens=1)
+        settings = load(
+            SERVE,
+            overrides={
+                "upstream": sim.url,
+                "ceiling_w": 5000.0,
+                "warmup_s": 0.2,
+                "power_source": "dcgm",
+                "dcgm_url": sim.url + "/metrics",
+            },
+        )
+        app, gov = build(settings)
+        runner, url = await serve(app)
+        try:
+            async with aiohttp.ClientSession() as s:
+
+                async def one() -> None:
+                    body = {"messages": [{"role": "user", "content": "x " * 30}], "max_tokens": 120}
+                    async with s.post(url + "/v1/chat/completions", json=body) as r:
+                        assert r.status == 200
+                        await r.read()
+
+                for _ in range(3):  # answers keep coming through three scrapes or more
+                    await asyncio.gather(*(one() for _ in range(8)))
+                async with s.get(url + "/status") as r:
+                    status = await r.json()
+            return status["upstream"]["token_s"], engine.itl_total_s / engine.itl_count
+        finally:
+            await runner.cleanup()
+            await gov.monitor.source.close()
+            if gov.scraper is not None:
+                await gov.scraper.close()
+            await sim.close()
+
+    token_s, engine_mean_s = run(main())
+    assert token_s is not None
+    assert token_s == pytest.approx(engine_mean_s, rel=0.5)

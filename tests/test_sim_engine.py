@@ -52,6 +52,7 @@ def test_max_num_seqs_is_respected_and_all_finish() -> None:
     assert engine.itl_count == 10 * 9
     spans = [r.last_token_s - r.first_token_s for r in reqs if r.first_token_s is not None]
     assert engine.itl_total_s == pytest.approx(math.fsum(spans))
+    assert engine.decode_count == 10 and engine.decode_total_s == pytest.approx(math.fsum(spans))
     assert engine.kv_tokens == 0 and engine.num_running == 0
 
 

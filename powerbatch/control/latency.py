@@ -7,11 +7,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from powerbatch.telemetry.filters import ewma_step
-
-DECODE_WEIGHT = 0.1
-"""EWMA weight per answer of the decode time: some tens of answers."""
-
 
 @dataclass(frozen=True, slots=True)
 class LatencySnapshot:
@@ -55,20 +50,10 @@ class LatencyWindow:
         self._ttft: dict[str, _Series] = {}
         self._tpot = _Series(maxlen)
         self._maxlen = maxlen
-        # A request's decode time (first token to last), an EWMA over answers: how long the
-        # steps are that one request's TPOT averages.
-        self.decode_s: float | None = None
 
     def record(
-        self,
-        now_s: float,
-        priority: str,
-        ttft_s: float | None,
-        tpot_s: float | None,
-        decode_s: float | None = None,
+        self, now_s: float, priority: str, ttft_s: float | None, tpot_s: float | None
     ) -> None:
-        if decode_s is not None:
-            self.decode_s = ewma_step(self.decode_s, decode_s, DECODE_WEIGHT)
         if ttft_s is not None:
             series = self._ttft.get(priority)
             if series is None:

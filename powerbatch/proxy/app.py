@@ -279,8 +279,7 @@ class Accounting:
             s.tpot_s.observe(tpot_s)
         if tokens:
             s.output_tokens.inc(tokens)
-        decode_s = last_s - first_s if tpot_s is not None else None
-        self.gov.latency.record(last_s, call.priority, ttft_s, tpot_s, decode_s)
+        self.gov.latency.record(last_s, call.priority, ttft_s, tpot_s)
 
     def access(
         self, call: Call, prompt: int, completion: int, energy_j: float, e2e_s: float

@@ -14,15 +14,16 @@ lost to a busy moment must not let the whole backlog into the engine's first-com
 The time per output token: the rises of vLLM's inter-token latency histogram's sum and count
 (`vllm:inter_token_latency_seconds`, observed at each output after a request's first) between
 scrapes give the time a running request waited per token. A request's TPOT is the mean of its
-steps over its decode time, so the rises are averaged over that horizon (an exponential average
-of both with the answers' mean decode time as time constant, `horizon_s`; none until an answer
-has measured it: one interval alone is one prefill burst): a prefill burst that slows a few
-steps slows no request much, a batch too large for the SLO slows every one. That is what the
-requests running now will show at their end, a request's length before a window of finished
-requests' p95 does. The last intervals' own (`step_s`, an EWMA of `RATE_WEIGHT` a scrape) say
-whether the step is still slow now, after a shrink the average still remembers. (The running
-count over the generated tokens per second would count the requests in prefill, which make no
-tokens, as slow decodes.)
+steps over its decode time, so the rises are averaged over that horizon: an exponential average
+of both whose time constant is the engine's own mean decode time per finished request
+(`vllm:request_decode_time_seconds`, first token to last: vllm/v1/metrics/stats.py), over the
+last scrapes; none until a request has finished, since one interval alone is one prefill burst.
+A prefill burst that slows a few steps slows no request much, a batch too large for the SLO
+slows every one. That is what the requests running now will show at their end, a request's
+length before a window of finished requests' p95 does. The last intervals' own (`step_s`, an
+EWMA of `RATE_WEIGHT` a scrape) say whether the step is still slow now, after a shrink the
+average still remembers. (The running count over the generated tokens per second would count the
+requests in prefill, which make no tokens, as slow decodes.)
 """
 
 from __future__ import annotations
@@ -51,17 +52,12 @@ class EngineQueue:
         self.load: EngineLoad | None = None  # None until a start rate has been measured
         self._misses = 0  # failed scrapes in a row
         self._tokens: tuple[float, float, float] | None = None  # (t_s, ITL sum, ITL count)
+        self._decoded: tuple[float, float] | None = None  # (decode time sum, count)
         self._itl = (0.0, 0.0)  # the ITL sum's and count's rises, averaged over the horizon
         self._step_s: float | None = None  # the last intervals' mean ITL
-        self._horizon_s: float | None = None  # a request's decode time, once an answer says
+        self._horizon_s: float | None = None  # a request's decode time, once one has finished
 
-    def update(
-        self,
-        up: UpstreamSignals | None,
-        admitted: int,
-        in_flight: int,
-        horizon_s: float | None = None,
-    ) -> None:
+    def update(self, up: UpstreamSignals | None, admitted: int, in_flight: int) -> None:
         if up is None or up.requests_waiting is None or up.t_s is None:
             self._misses += 1
             if self._misses > MISSES_KEPT:
@@ -73,7 +69,7 @@ class EngineQueue:
             rate = max(0.0, count - self._last[1]) / (up.t_s - self._last[0])
             self._rate = ewma_step(self._rate, rate, RATE_WEIGHT)
         self._last = (up.t_s, count)
-        self._update_token_s(up, horizon_s)
+        self._update_token_s(up)
         # No rate, no buffer that keeps the engine fed: the law waits for a second scrape.
         self.load = None
         if self._rate is not None:
@@ -81,18 +77,26 @@ class EngineQueue:
                 up.requests_waiting, in_flight, self._rate, up.t_s, self.token_s, self._step_s
             )
 
-    def _update_token_s(self, up: UpstreamSignals, horizon_s: float | None) -> None:
+    def _update_token_s(self, up: UpstreamSignals) -> None:
         if up.itl_sum_s is None or up.itl_count is None or up.t_s is None:
             self._tokens, self._itl, self._step_s = None, (0.0, 0.0), None
             return
         last, self._tokens = self._tokens, (up.t_s, up.itl_sum_s, up.itl_count)
+        decoded, self._decoded = self._decoded, None
+        if up.decode_sum_s is not None and up.decode_count is not None:
+            self._decoded = (up.decode_sum_s, up.decode_count)
         if last is None or up.t_s <= last[0]:
             return
         count, total_s = up.itl_count - last[2], up.itl_sum_s - last[1]
         if count < 0 or total_s < 0:  # the engine restarted: its counts begin again
-            self._itl, self._step_s = (0.0, 0.0), None
+            self._itl, self._step_s, self._horizon_s = (0.0, 0.0), None, None
             return
-        self._horizon_s = horizon_s
+        if decoded is not None and self._decoded is not None:
+            finished = self._decoded[1] - decoded[1]
+            if finished > 0:
+                mean_s = max(self._decoded[0] - decoded[0], 0.0) / finished
+                self._horizon_s = ewma_step(self._horizon_s, mean_s, RATE_WEIGHT)
+        horizon_s = self._horizon_s
         keep = math.exp(-(up.t_s - last[0]) / horizon_s) if horizon_s else 0.0
         self._itl = (keep * self._itl[0] + total_s, keep * self._itl[1] + count)
         if count > 0:

@@ -140,12 +140,7 @@ class ProxyFeatures:
                 log.debug("upstream metrics scrape failed: %s", exc)
                 self.upstream = None
             q = self.queue
-            self.engine_queue.update(
-                self.upstream,
-                q.stats.requests_admitted_total,
-                q.in_flight,
-                horizon_s=self.latency_window.decode_s,
-            )
+            self.engine_queue.update(self.upstream, q.stats.requests_admitted_total, q.in_flight)
             await asyncio.sleep(interval_s)
 
 

@@ -237,6 +237,8 @@ class SimEngine:
         # request's first, the time since its last.
         self.itl_total_s = 0.0
         self.itl_count = 0
+        self.decode_total_s = 0.0
+        self.decode_count = 0
         self.preemptions_total = 0
         self.steps_total = 0
         self.requests_finished = 0
@@ -397,6 +399,10 @@ class SimEngine:
         return True
 
     def _end(self, req: SimRequest, reason: str) -> None:
+        if reason in ("length", "stop") and req.num_output > 0 and not req.pooling:
+            # vLLM's request decode time histogram: first token to last, per finished request
+            self.decode_total_s += req.last_token_s - (req.first_token_s or req.last_token_s)
+            self.decode_count += 1
         self._free_blocks += req.blocks
         req.blocks = 0
         req.finish_reason = reason

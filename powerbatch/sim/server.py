@@ -556,6 +556,11 @@ class _SimCollector(Collector):
         )
         h.add_metric(value, [("+Inf", float(e.itl_count))], e.itl_total_s)
         yield h
+        h = HistogramMetricFamily(
+            "vllm:request_decode_time_seconds", "Request decode time.", labels=labels
+        )
+        h.add_metric(value, [("+Inf", float(e.decode_count))], e.decode_total_s)
+        yield h
 
         yield from self._gpu_fields()
 

@@ -183,6 +183,10 @@ class UpstreamSignals:
     # scrapes are the mean time a running request waited per token in between.
     itl_sum_s: float | None = None
     itl_count: float | None = None
+    # vLLM's request decode time histogram's sum and count (first token to last, per finished
+    # request): how long the steps are that one request's TPOT averages.
+    decode_sum_s: float | None = None
+    decode_count: float | None = None
 
 
 class UpstreamMetricsScraper:
@@ -198,6 +202,8 @@ class UpstreamMetricsScraper:
     STARTED = "vllm:time_to_first_token_seconds_count"
     ITL_SUM = "vllm:inter_token_latency_seconds_sum"
     ITL_COUNT = "vllm:inter_token_latency_seconds_count"
+    DECODE_SUM = "vllm:request_decode_time_seconds_sum"
+    DECODE_COUNT = "vllm:request_decode_time_seconds_count"
 
     def __init__(
         self,
@@ -228,6 +234,8 @@ class UpstreamMetricsScraper:
         started = self._values(scrape, self.STARTED)
         itl_sum = self._values(scrape, self.ITL_SUM)
         itl_count = self._values(scrape, self.ITL_COUNT)
+        decode_sum = self._values(scrape, self.DECODE_SUM)
+        decode_count = self._values(scrape, self.DECODE_COUNT)
         return UpstreamSignals(
             requests_running=None if running is None else sum(running),
             requests_waiting=None if waiting is None else sum(waiting),
@@ -236,6 +244,8 @@ class UpstreamMetricsScraper:
             requests_started_total=None if started is None else sum(started),
             itl_sum_s=None if itl_sum is None else sum(itl_sum),
             itl_count=None if itl_count is None else sum(itl_count),
+            decode_sum_s=None if decode_sum is None else sum(decode_sum),
+            decode_count=None if decode_count is None else sum(decode_count),
         )
 
     async def close(self) -> None:
