@@ -194,4 +194,10 @@ def test_vllm_bench_serve_through_powerbatch_in_front_of_real_vllm() -> None:
             "vllm-openai-chat", proxy_url, "openai-chat", "/v1/chat/completions", "tiny"
         )
         counts = _proxy_counts(proxy_url)
+        with urllib.request.urlopen(proxy_url + "/status", timeout=10) as r:
+            upstream = json.loads(r.read())["upstream"]
     _check_and_record("vllm-openai-chat", result, counts)
+    # The latency law's measure, from vLLM's own inter-token latency histogram: the name and
+    # shape the proxy scrapes are this vLLM's. (Its average over a request's decode time fades
+    # to None once nothing decodes, as after the run.)
+    assert upstream["step_s"] is not None and 0 < upstream["step_s"] < 10, upstream
