@@ -69,3 +69,11 @@ def test_without_the_engines_measure_the_p95_acts_once_per_hold() -> None:
     assert ll.batch == first  # within latency_hold_s
     ll.update(ll.config.gains.latency_hold_s, snapshot(2 * SLO_S), 200)
     assert ll.batch < first
+
+
+def test_with_no_average_yet_the_step_alone_shrinks_nothing_and_the_p95_is_not_read() -> None:
+    ll = law()
+    load = EngineLoad(0, 200, 10.0, 0.0, None, 3 * SLO_S)  # no request has finished yet
+    for k in range(30):
+        ll.update(float(k), snapshot(3 * SLO_S), 200, load)
+    assert ll.batch == 256

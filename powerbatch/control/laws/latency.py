@@ -10,17 +10,17 @@ already shrunk, and acting on it too wound the batch down to a few requests for 
 length.
 
 Over the SLO (the engine's average and its step now both over it, or the p95 where the engine
-says nothing), λ_latency rises by `latency_gain × (ratio − 1)` and the batch cap shrinks by
-`latency_shrink ×` the excess ratio (capped at 1): once per `FAST_HOLD_SCRAPES` new scrapes on
-the engine's measure, whose step now shows a shrink within them; once per `latency_hold_s` on
-the p95 (its sliding window shows a smaller batch only as its older samples age out). A
-prefill burst that slows a few steps leaves the average under the SLO, and a shrink that
-brought the step back under stops the next even while the average remembers the slow steps.
-Under the SLO λ decays each tick; once it is 0 the cap regrows by `latency_regrow` per tick
-plus one request, but not while the step now is within `REGROW_BAND` of the SLO: a dead band,
-so the cap does not regrow into a breach the step would show only a scrape later. p95 TTFT only
-speeds growth (see the power law's step): the ceiling always wins.
-"""
+exports no inter-token latency; with no average yet, or nothing decoding, nothing shrinks),
+λ_latency rises by `latency_gain × (ratio − 1)` and the batch cap shrinks by `latency_shrink ×`
+the excess ratio (capped at 1): once per `FAST_HOLD_SCRAPES` new scrapes on the engine's
+measure, whose step now shows a shrink within them; once per `latency_hold_s` on the p95 (its
+sliding window shows a smaller batch only as its older samples age out). A prefill burst that
+slows a few steps leaves the average under the SLO, and a shrink that brought the step back
+under stops the next even while the average remembers the slow steps. Under the SLO λ decays
+each tick; once it is 0 the cap regrows by `latency_regrow` per tick plus one request, but not
+while the step now is within `REGROW_BAND` of the SLO: a dead band, so the cap does not regrow
+into a breach the step would show only a scrape later. p95 TTFT only speeds growth (see the
+power law's step): the ceiling always wins. """
 
 from __future__ import annotations
 
@@ -55,14 +55,16 @@ class LatencyLaw:
     ) -> None:
         cfg, g = self.config, self.config.gains
         slo_s = cfg.tpot_slo_s
-        by_engine = engine is not None and engine.token_s is not None and engine.step_s is not None
-        if engine is not None and by_engine:
-            assert engine.token_s is not None and engine.step_s is not None
-            ratio, now = engine.token_s / slo_s, engine.step_s / slo_s
+        by_engine = engine is not None and engine.step_s is not None
+        if engine is not None and engine.step_s is not None:
+            # No average (no request has finished, or nothing decodes now): nothing to shrink
+            # on, and the p95 is no better.
+            now = engine.step_s / slo_s
+            ratio = engine.token_s / slo_s if engine.token_s is not None else min(now, 1.0)
             if engine.t_s != self._scrape_t_s:
                 self._scrape_t_s = engine.t_s
                 self._hold_scrapes = max(0, self._hold_scrapes - 1)
-            over = ratio > 1.0 and now > 1.0
+            over = engine.token_s is not None and ratio > 1.0 and now > 1.0
             ready = self._hold_scrapes == 0
             near = now > 1.0 - REGROW_BAND
         else:
