@@ -20,7 +20,8 @@ under stops the next even while the average remembers the slow steps. Under the 
 each tick; once it is 0 the cap regrows by `latency_regrow` per tick plus one request, but not
 while the step now is within `REGROW_BAND` of the SLO: a dead band, so the cap does not regrow
 into a breach the step would show only a scrape later. p95 TTFT only speeds growth (see the
-power law's step): the ceiling always wins. """
+power law's step): the ceiling always wins.
+"""
 
 from __future__ import annotations
 
