@@ -348,6 +348,7 @@ def test_a_free_slot_is_granted_without_waiting_and_a_busy_queue_says_so() -> No
         (None, 2.5, ["a", "b", "c"]),  # FIFO: every waiter as late as the queue is long
         (2.0, 2.5, ["c", "b", "a"]),  # the oldest waited past 2 s: newest first
         (2.0, 1.0, ["a", "b", "c"]),  # a queue younger than 2 s stays FIFO
+        (2.0, 16.0, ["a", "b", "c"]),  # past half the 30-s wait: the oldest first, no 429
     ],
 )
 def test_an_overloaded_class_serves_its_newest_first_and_its_late_after(

@@ -11,9 +11,10 @@ Under overload a lane turns LIFO: while its oldest waiter has waited past `lifo_
 TTFT SLO), the newest goes first. FIFO then serves every waiter just as late as the queue is
 long, and none within its SLO; LIFO serves the fresh ones at once and the late ones, late
 anyway, once the burst is over ("adaptive LIFO", B. Maurer, "Fail at Scale", ACM Queue 13(8),
-2015). The queue is bounded in length and in wait; a full queue sheds its lowest-priority
-newest waiter before it refuses a higher-priority arrival. Every granted `Slot` is released
-exactly once.
+2015). A waiter that has waited half its class's `max_wait_s` goes first again: LIFO may delay a
+request, and should not turn a wait the queue would have served into a 429. The queue is bounded
+in length and in wait; a full queue sheds its lowest-priority newest waiter before it refuses a
+higher-priority arrival. Every granted `Slot` is released exactly once.
 """
 
 from __future__ import annotations
@@ -338,8 +339,10 @@ class AdmissionQueue:
                 self._forget(q.popleft())
             if not q:
                 continue
-            late = self.lifo_after_s is not None and now - q[0].t_enqueued_s > self.lifo_after_s
-            if not late:
+            waited_s = now - q[0].t_enqueued_s
+            late = self.lifo_after_s is not None and waited_s > self.lifo_after_s
+            # LIFO delays the oldest, it must not refuse it: past half its longest wait, it goes.
+            if not late or waited_s > 0.5 * self.max_wait_s[q[0].priority]:
                 return q[0]
             while q[-1].gone or q[-1].future.done():  # q[0] is live: this stops there
                 self._forget(q.pop())
