@@ -57,7 +57,8 @@ class LatencyLaw:
         cfg, g = self.config, self.config.gains
         slo_s = cfg.tpot_slo_s
         by_engine = engine is not None and engine.step_s is not None
-        if engine is not None and engine.step_s is not None:
+        if by_engine:
+            assert engine is not None and engine.step_s is not None
             # No average (no request has finished, or nothing decodes now): nothing to shrink
             # on, and the p95 is no better.
             now = engine.step_s / slo_s
