@@ -546,21 +546,18 @@ class _SimCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=labels)  # exposed as <name>_total
             c.add_metric(value, float(v))
             yield c
-        h = HistogramMetricFamily(
-            "vllm:time_to_first_token_seconds", "Time to first token.", labels=labels
-        )
-        h.add_metric(value, [("+Inf", float(e.requests_started_total))], e.ttft_total_s)
-        yield h
-        h = HistogramMetricFamily(
-            "vllm:inter_token_latency_seconds", "Inter-token latency.", labels=labels
-        )
-        h.add_metric(value, [("+Inf", float(e.itl_count))], e.itl_total_s)
-        yield h
-        h = HistogramMetricFamily(
-            "vllm:request_decode_time_seconds", "Request decode time.", labels=labels
-        )
-        h.add_metric(value, [("+Inf", float(e.decode_count))], e.decode_total_s)
-        yield h
+        # Histograms as sum and count (one +Inf bucket): what the proxy reads of them.
+        for name, doc, count, total_s in (
+            ("vllm:time_to_first_token_seconds", "Time to first token.",
+             e.requests_started_total, e.ttft_total_s),
+            ("vllm:inter_token_latency_seconds", "Inter-token latency.",
+             e.itl_count, e.itl_total_s),
+            ("vllm:request_decode_time_seconds", "Request decode time.",
+             e.decode_count, e.decode_total_s),
+        ):  # fmt: skip
+            h = HistogramMetricFamily(name, doc, labels=labels)
+            h.add_metric(value, [("+Inf", float(count))], total_s)
+            yield h
 
         yield from self._gpu_fields()
 

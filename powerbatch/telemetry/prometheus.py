@@ -7,6 +7,7 @@ deploy it with a short interval (e.g. -c 100) or read NVML directly.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -225,27 +226,26 @@ class UpstreamMetricsScraper:
             raise SensorReadError(f"{metric} is not finite at {self._endpoint.url}: {values}")
         return values
 
+    def _total(self, scrape: _Scrape, metric: str) -> float | None:
+        """Summed over label sets (one per engine under data parallelism); None if absent."""
+        values = self._values(scrape, metric)
+        return None if values is None else sum(values)
+
     async def scrape(self) -> UpstreamSignals:
         scrape = await self._endpoint.fetch()
         t_s = time.monotonic()
-        running = self._values(scrape, self.RUNNING)
-        waiting = self._values(scrape, self.WAITING)
         kv_cache = self._values(scrape, self.KV_CACHE)
-        started = self._values(scrape, self.STARTED)
-        itl_sum = self._values(scrape, self.ITL_SUM)
-        itl_count = self._values(scrape, self.ITL_COUNT)
-        decode_sum = self._values(scrape, self.DECODE_SUM)
-        decode_count = self._values(scrape, self.DECODE_COUNT)
+        total = functools.partial(self._total, scrape)
         return UpstreamSignals(
-            requests_running=None if running is None else sum(running),
-            requests_waiting=None if waiting is None else sum(waiting),
+            requests_running=total(self.RUNNING),
+            requests_waiting=total(self.WAITING),
             kv_cache_usage=None if kv_cache is None else sum(kv_cache) / len(kv_cache),
             t_s=t_s,
-            requests_started_total=None if started is None else sum(started),
-            itl_sum_s=None if itl_sum is None else sum(itl_sum),
-            itl_count=None if itl_count is None else sum(itl_count),
-            decode_sum_s=None if decode_sum is None else sum(decode_sum),
-            decode_count=None if decode_count is None else sum(decode_count),
+            requests_started_total=total(self.STARTED),
+            itl_sum_s=total(self.ITL_SUM),
+            itl_count=total(self.ITL_COUNT),
+            decode_sum_s=total(self.DECODE_SUM),
+            decode_count=total(self.DECODE_COUNT),
         )
 
     async def close(self) -> None:
