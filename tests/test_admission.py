@@ -379,3 +379,29 @@ def test_an_overloaded_class_serves_its_newest_first_and_its_late_after(
         assert q.in_flight == 0 and q.queued == 0
 
     run_virtual(main())
+
+
+def test_the_counts_say_how_long_the_longest_waiter_has_waited() -> None:
+    """The fleet's bid reads TTFT now from the queue: the oldest live waiter's wait (0 with
+    nobody waiting), and arrivals as grants, waiters and refusals."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        q = AdmissionQueue(AdmissionLimits(1, 10**9), clock=loop.time)
+        assert q.counts().oldest_wait_s == 0.0
+        blocker = await q.admit("normal", 1, 1)
+        first = asyncio.create_task(q.admit("high", 1, 1))
+        await asyncio.sleep(1.0)
+        second = asyncio.create_task(q.admit("normal", 1, 1))
+        await asyncio.sleep(0.5)
+        c = q.counts()
+        assert c.oldest_wait_s == pytest.approx(1.5)
+        assert sum(c.arrived.values()) == 3 and c.queued == {"high": 1, "normal": 1, "low": 0}
+        first.cancel()  # the oldest leaves: the next oldest counts
+        await asyncio.sleep(0)
+        assert q.counts().oldest_wait_s == pytest.approx(0.5)
+        blocker.release()
+        (await second).release()
+        assert q.counts().oldest_wait_s == 0.0
+
+    run_virtual(main())

@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from powerbatch.control import EngineLoad, QueueCounts
 from powerbatch.control.latency import LatencySnapshot
 from powerbatch.control.loop import TickRecord
 from powerbatch.estimate import Features
 from powerbatch.fleet import Bid, FleetSettings
 from powerbatch.fleet.allocate import allocate
 from powerbatch.fleet.member import share_bounds_w
-from powerbatch.fleet.signals import DEMAND_TAU_S, GIVE_FRAC, HEADROOM_FRAC, LoopSignals
+from powerbatch.fleet.signals import (
+    DEMAND_TAU_S,
+    GIVE_FRAC,
+    HEADROOM_FRAC,
+    RATE_HALF_LIFE_S,
+    LoopSignals,
+)
 
 DECODE_TOK_S_PER_REQUEST = 60.0
 DEVICE_MAX_W = 700.0
@@ -44,6 +52,7 @@ def loop(
     ttft_p95_s: float | None = None,
     tpot_p95_s: float | None = 0.02,  # well inside its 0.1-s SLO
     measured: bool = True,  # False: the host has no latency window yet
+    engine: EngineLoad | None = None,  # the engine's queue and step, as last scraped
 ) -> Any:
     batch = float(in_flight)
     rec = TickRecord(
@@ -63,6 +72,7 @@ def loop(
             latency=lambda t: LatencySnapshot(ttft_p95_s, tpot_p95_s, {}, 10) if measured else None
         ),
         clock=lambda: t_s,
+        last_sample=SimpleNamespace(engine=engine),
         predict_w=lambda f: model.predict_one(f)[0],  # ControlLoop.predict_w
         device_limit_bounds_w=lambda: bounds,  # a limiter holds the device (None: none)
     )
@@ -242,3 +252,71 @@ def test_a_lent_member_held_under_its_split_gets_its_split_back_at_once() -> Non
         "b": Bid(0.05, 300.0, 100.0, 400.0),
     }
     assert allocate(bids, 1430.0)["lent"] >= split - 1e-6
+
+
+class Host:
+    """A host's counts over time: `arrive` requests per second, `waiting` queued, the oldest
+    of them `oldest_s` old."""
+
+    def __init__(self, loop: Any, rps: float, waiting: int = 0, oldest_s: float = 0.0) -> None:
+        self.loop, self.rps, self.waiting, self.oldest_s = loop, rps, waiting, oldest_s
+        self.arrived = 0.0
+
+    def counts(self) -> QueueCounts:
+        q = {"normal": self.waiting}
+        return QueueCounts({"normal": int(self.arrived)}, 0, 0, q, self.oldest_s)
+
+    def advance(self, t_s: float, dt_s: float = 0.5) -> None:
+        self.arrived += self.rps * dt_s
+        self.loop.history[-1] = replace(self.loop.history[-1], t_s=t_s)
+
+
+def test_watts_follow_the_arrivals_not_a_backlog_the_hot_spot_left_behind() -> None:
+    """A hot spot of 20 requests/s moves from A to B. A is held at its limit with 256 in
+    flight and 55 queued, all of it late now, and 2 requests/s arriving; B, at the same limit,
+    has 60 in flight and 20 arriving. Both bid the device's highest limit. Valued by the work
+    they hold, A outbids B until its backlog drains (the issue's fleet: 6-7 s); valued by what
+    arrives, B outbids A within two seconds of the move."""
+    model = LinearModel(300.0, 1.0)
+    kw: dict[str, Any] = {"power_w": 321.0, "limit_w": 322.0, "model": model}
+    a = Host(loop(in_flight=256, queued=55, **kw), rps=20.0, waiting=55, oldest_s=12.0)
+    b = Host(loop(in_flight=20, queued=0, **kw), rps=2.0)
+    sa, sb = LoopSignals(a.loop, a.counts), LoopSignals(b.loop, b.counts)
+    t = 0.0
+    for _ in range(20):  # ten seconds before the move
+        t += 0.5
+        a.advance(t), b.advance(t)
+        bid_a, bid_b = sa(), sb()
+    assert bid_a.value_per_w > 2 * bid_b.value_per_w
+    a.rps, b.rps = 2.0, 20.0  # the hot spot moves; A's backlog stays
+    for k in range(4):  # two seconds after it: B's work grows
+        t += 0.5
+        b.loop.history[-1] = replace(b.loop.history[-1], in_flight=40 + 20 * k)
+        a.advance(t), b.advance(t)
+        bid_a, bid_b = sa(), sb()
+    assert bid_a.needy and bid_b.want_w == pytest.approx(DEVICE_MAX_W)  # both want the most
+    assert bid_b.value_per_w > bid_a.value_per_w
+    rate_b = 2.0 + 18.0 * (1 - 0.5 ** (2.0 / RATE_HALF_LIFE_S))
+    assert bid_b.value_per_w == pytest.approx(2 * rate_b / DEVICE_MAX_W, rel=0.05)
+
+
+def test_latency_is_read_now_not_from_the_answers_of_a_hot_spot_that_has_left() -> None:
+    """Held at its 322-W limit with 5 requests in flight, nothing waiting and a 20-ms step, a
+    member the hot spot left 10 s ago still has a 12-s p95 TTFT in its 30-s window of finished
+    requests. It can give watts now: the window made it needy for 30 s, and every member the
+    hot spot had visited kept its split (the issue's fleet, from 45 s on). Its queue waiting
+    past half the TTFT SLO, or its engine's step past half the TPOT SLO, is a risk now."""
+    model = LinearModel(300.0, 1.0)
+    kw: dict[str, Any] = {"in_flight": 5, "power_w": 321.0, "limit_w": 322.0, "model": model}
+    kw["ttft_p95_s"] = 12.0
+    step = EngineLoad(queued=0.0, in_flight=5, start_rate=2.0, t_s=10.0, step_s=0.02)
+    calm = Host(loop(queued=0, engine=step, **kw), rps=2.0)
+    bid = LoopSignals(calm.loop, calm.counts)()
+    assert not bid.needy and bid.want_w == pytest.approx(321.0 * (1 - GIVE_FRAC))
+    stale = LoopSignals(loop(queued=0, engine=step, **kw))()  # no queue: the window's p95
+    assert stale.needy
+    waits = Host(loop(queued=1, engine=step, **kw), rps=2.0, waiting=1, oldest_s=1.5)
+    assert LoopSignals(waits.loop, waits.counts)().needy
+    slow = replace(step, step_s=0.07)
+    stepping = Host(loop(queued=0, engine=slow, **kw), rps=2.0)
+    assert LoopSignals(stepping.loop, stepping.counts)().needy

@@ -8,12 +8,10 @@ from typing import Any
 import pytest
 
 from powerbatch.admission import AdmissionQueue
-from powerbatch.cli.serve import queue_counts
-from powerbatch.control import AdmissionLimits, ControlConfig
+from powerbatch.control import AdmissionLimits, ControlConfig, QueueCounts
 from powerbatch.control.config import ShapeSettings
 from powerbatch.control.controller import Controller
 from powerbatch.proxy import Governor, ProxyMetrics
-from powerbatch.shape.planner import QueueCounts
 from powerbatch.shape.runner import PlanRunner
 from powerbatch.telemetry import PowerMonitor, PowerSample
 
@@ -38,7 +36,7 @@ def governor(src: Timed, shape: ShapeSettings, *, planned: bool = False, **kw: A
     monitor = PowerMonitor(src, interval_s=0.1, stale_after_s=1.0, clock=lambda: src.t)
     controller = Controller(config, shape=shape)
     if planned:
-        kw["plan"] = PlanRunner(shape, controller, lambda: queue_counts(queue), clock=lambda: src.t)
+        kw["plan"] = PlanRunner(shape, controller, queue.counts, clock=lambda: src.t)
     return Governor(controller, queue, monitor, ProxyMetrics(), **kw)
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from powerbatch.admission.priority import DEFERRABLE, PRIORITIES, rank
-from powerbatch.control import AdmissionLimits, Deferrable
+from powerbatch.control import AdmissionLimits, Deferrable, QueueCounts
 from powerbatch.errors import RequestError
 from powerbatch.telemetry.filters import ewma_step
 
@@ -141,6 +141,25 @@ class AdmissionQueue:
 
     def queued_by_class(self) -> dict[str, int]:
         return dict(self._live)
+
+    def counts(self) -> QueueCounts:
+        """Arrivals (grants, waiters and refusals) per class, completions, what is in flight and
+        waiting, and the longest wait of a live waiter now: the shape planner's and the fleet
+        bid's input, read off the request path."""
+        st = self.stats
+        queued = self.queued_by_class()
+        rejected = dict.fromkeys(queued, 0)
+        for (p, _), n in st.rejected_total.items():
+            rejected[p] = rejected.get(p, 0) + n
+        arrived = {p: st.admitted_total[p] + queued[p] + rejected[p] for p in queued}
+        completed = sum(st.admitted_total.values()) - self.in_flight
+        now = self._clock()
+        live = (
+            next((w for w in q if not (w.gone or w.future.done())), None)
+            for q in self._queues.values()
+        )
+        oldest = max((now - w.t_enqueued_s for w in live if w is not None), default=0.0)
+        return QueueCounts(arrived, completed, self.in_flight, queued, oldest)
 
     def set_limits(self, limits: AdmissionLimits) -> None:
         self.limits = limits

@@ -21,7 +21,6 @@ from powerbatch.errors import ConfigError, PowerbatchError, TelemetryError
 from powerbatch.fleet import attach, join
 from powerbatch.proxy import Governor, ProxyMetrics, create_app
 from powerbatch.proxy.app import create_admin_app
-from powerbatch.shape.planner import QueueCounts
 from powerbatch.shape.runner import plan_runner
 from powerbatch.telemetry import NvmlLimiter, PowerSource, UpstreamMetricsScraper, factory
 
@@ -47,19 +46,6 @@ def device_max_w(s: ServeSettings, kind: str) -> float | None:
             tdp_w,
         )
     return tdp_w
-
-
-def queue_counts(queue: AdmissionQueue) -> QueueCounts:
-    """The admission queue's counts for the shape planner: arrivals are grants, waiters and
-    refusals per class."""
-    st = queue.stats
-    queued = queue.queued_by_class()
-    rejected = dict.fromkeys(queued, 0)
-    for (p, _), n in st.rejected_total.items():
-        rejected[p] = rejected.get(p, 0) + n
-    arrived = {p: st.admitted_total[p] + queued[p] + rejected[p] for p in queued}
-    completed = sum(st.admitted_total.values()) - queue.in_flight
-    return QueueCounts(arrived, completed, queue.in_flight, queued)
 
 
 async def probe_power(source: PowerSource, s: ServeSettings, kind: str) -> None:
@@ -191,11 +177,11 @@ def build(s: ServeSettings, kind: str | None = None) -> tuple[web.Application, G
             s.clock, s.limiter, s.power, dcgm_url=dcgm_url(s), client=client
         ),
         clock_policy=s.clock_policy,
-        plan=plan_runner(s.shape, controller, lambda: queue_counts(queue)),
+        plan=plan_runner(s.shape, controller, queue.counts),
         ceiling=member,
         energy=s.energy,
     )
-    attach(member, gov.loop, queue.queued_by_class)
+    attach(member, gov.loop, queue.counts)
     return create_app(gov, s.proxy), gov
 
 

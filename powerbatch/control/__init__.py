@@ -15,6 +15,7 @@ from powerbatch.control.types import (
     Deferrable,
     EngineLoad,
     Observation,
+    QueueCounts,
     State,
 )
 
@@ -31,6 +32,7 @@ __all__ = [
     "LatencyWindow",
     "Mode",
     "Observation",
+    "QueueCounts",
     "ShapeSettings",
     "State",
     "prior_max_w",

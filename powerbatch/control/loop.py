@@ -418,6 +418,11 @@ class ControlLoop:
     def history_rows(self, since_s: float = -math.inf) -> list[dict[str, Any]]:
         return self.record.rows(since_s)
 
+    @property
+    def last_sample(self) -> HostSample | None:
+        """What the host counted at the last tick (None before the first)."""
+        return self._sample
+
     def history_columns(self, since_s: float = -math.inf) -> dict[str, list[Any]]:
         return self.record.columns(since_s)
 

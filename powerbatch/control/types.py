@@ -8,6 +8,7 @@ metrics and the trace have always carried.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
@@ -65,6 +66,19 @@ class AdmissionLimits:
     # Slots beyond max_requests that only the most urgent class may take: under a device limit
     # the cap holds the ceiling, so interactive work need not queue behind batch work.
     reserve_requests: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class QueueCounts:
+    """What a host counts of its requests (the proxy's queue, the engine's steps), read by the
+    shape planner and the fleet's bid: cumulative arrivals per class, completions, what is in
+    flight and waiting now, and how long the longest waiter has waited (None: not kept)."""
+
+    arrived: Mapping[str, int]
+    completed: int
+    in_flight: int
+    queued: Mapping[str, int]
+    oldest_wait_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

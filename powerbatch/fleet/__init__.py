@@ -11,6 +11,7 @@ from powerbatch.fleet.allocate import Bid, marginal_value, water_fill
 from powerbatch.fleet.settings import FleetSettings
 
 if TYPE_CHECKING:
+    from powerbatch.control import QueueCounts
     from powerbatch.control.loop import ControlLoop
     from powerbatch.fleet.member import FleetMember
 
@@ -29,12 +30,13 @@ def join(settings: FleetSettings, port: int | None = None) -> FleetMember | None
 def attach(
     member: FleetMember | None,
     loop: ControlLoop,
-    queued_by_class: Callable[[], dict[str, int]] | None = None,
+    counts: Callable[[], QueueCounts] | None = None,
 ) -> None:
-    """Bid from the host's control loop and export into its metrics registry."""
+    """Bid from the host's control loop and its counts of requests (`QueueCounts`: arrivals,
+    waiters, the longest wait), and export into its metrics registry."""
     if member is None:
         return
     from powerbatch.fleet.signals import LoopSignals
 
-    signals = LoopSignals(loop, queued_by_class)
+    signals = LoopSignals(loop, counts)
     member.attach(signals, loop.metrics.registry, signals.meter)

@@ -20,7 +20,15 @@
   member lent out under its split that bid its capped draw plus headroom climbed back only
   `HEADROOM_FRAC` a period (stop 36). Any other member wants what it draws (or its model's
   demand, if more) plus `HEADROOM_FRAC`;
-* value_per_w = 2 D / W (the modelled goodput at W is D);
+* value_per_w = 2 λ / W, λ the requests arriving per second (`RATE_HALF_LIFE_S`): the modelled
+  goodput at W is λ, what it could answer in time. Not D: a backlog is late work, and Little's
+  law (D = λ T) counts it the more the longer it waits, so a member a hot spot had just left
+  outbid the one it moved to until its backlog drained (docs/fleet.md, stop 43). A host that
+  does not count arrivals bids D;
+* latency, read now where the host can say: the longest wait in its queue (plus the engine's
+  own queue over its start rate) for TTFT, the engine's step for time per token; the p95s of
+  the window of finished requests only where it cannot (they keep a hot spot's late answers
+  for the window's 30 s after it has left);
 * bounds: with a device limit, its range (the lowest limit holds any share above it, a share
   above the highest is never drawn); without, floor_w = P(shape * min_batch) (admission's
   smallest step is one request: less cannot be held) and max_w the GPUs' highest draw.
@@ -33,9 +41,11 @@ from collections.abc import Callable
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from powerbatch.control import QueueCounts
 from powerbatch.estimate import Features
 from powerbatch.fleet.lowering import Meter
 from powerbatch.fleet.member import MemberSignals
+from powerbatch.telemetry.filters import Ewma
 
 if TYPE_CHECKING:  # only its public predict_w and device_limit_bounds_w are used
     from powerbatch.control.loop import ControlLoop
@@ -46,6 +56,7 @@ HEADROOM_FRAC = 0.15  # a member with nothing waiting wants this much over what 
 GIVE_FRAC = 0.15  # a member held by its limit inside its SLOs wants this much less than it draws
 RISK_FRAC = 0.5  # p95 latency over this share of its SLO: the member has no time to give
 QUEUE_MIN, QUEUE_FRAC = 2, 0.25  # work waiting beyond this many, or this share of the batch
+RATE_HALF_LIFE_S = 1.0  # the arrival rate's: a rate that jumps is 75 % read within 2 s
 
 
 class Latency(Enum):
@@ -59,20 +70,22 @@ class Latency(Enum):
 class LoopSignals:
     """Callable: the bid, computed when the member publishes (once a period, off the tick)."""
 
-    def __init__(
-        self, loop: ControlLoop, queued_by_class: Callable[[], dict[str, int]] | None = None
-    ) -> None:
+    def __init__(self, loop: ControlLoop, counts: Callable[[], QueueCounts] | None = None) -> None:
         self.loop = loop
-        self.queued_by_class = queued_by_class
+        self.counts = counts
         self._shape: Features | None = None  # the last per-request shape seen under load
         self._demand: tuple[float, float] | None = None  # (t_s, demand as bid)
+        self._arrived: tuple[float, int] | None = None  # (t_s, arrivals counted by then)
+        self._rate = Ewma(RATE_HALF_LIFE_S)  # requests arriving per second
 
     def __call__(self) -> MemberSignals:
         loop = self.loop
         rec = loop.history[-1] if loop.history else None
         if rec is None:
             return MemberSignals()
-        by_class = self.queued_by_class() if self.queued_by_class else {"normal": rec.queued}
+        counts = self.counts() if self.counts else None
+        by_class = dict(counts.queued) if counts else {"normal": rec.queued}
+        rate = self._arrival_rate(rec.t_s, counts)
         work = float(rec.in_flight + rec.queued)
         rising = self._demand is not None and work > self._demand[1]
         demand = self._smoothed(rec.t_s, work)
@@ -94,7 +107,7 @@ class LoopSignals:
         pinned = bool(demand > 0 and limit_w > 0 and power_w >= PINNED_FRAC * limit_w and bounds)
         queued = sum(by_class.values())
         waiting = queued > max(QUEUE_MIN, QUEUE_FRAC * rec.in_flight)
-        latency = self._latency()
+        latency = self._latency(counts)
         needy = waiting or ((pinned or queued > 0) and latency is Latency.AT_RISK)
         if needy and pinned and bounds:
             want = max(want, bounds[1])  # held by the limit: it would draw more than it may
@@ -106,7 +119,8 @@ class LoopSignals:
             want = max(want, bounds[1])
         elif not needy:  # all it has is served: what it draws, and room for a few more
             want = max(want, power_w) * (1.0 + HEADROOM_FRAC)
-        value = 2.0 * demand / want if demand > 0 and want > 0 else 0.0
+        served = demand if rate is None else rate
+        value = 2.0 * served / want if served > 0 and want > 0 else 0.0
         return MemberSignals(
             power_w=rec.power_w,
             in_flight=rec.in_flight,
@@ -118,14 +132,36 @@ class LoopSignals:
             needy=needy,
         )
 
-    def _latency(self) -> Latency:
-        """p95 TTFT and time per token against `RISK_FRAC` of their SLOs (the host's window)."""
+    def _arrival_rate(self, t_s: float, counts: QueueCounts | None) -> float | None:
+        """Requests arriving per second, averaged (`RATE_HALF_LIFE_S`); None: not counted."""
+        if counts is None:
+            return None
+        n = sum(counts.arrived.values())
+        if self._arrived is None:
+            self._arrived = (t_s, n)
+        elif t_s > self._arrived[0]:
+            t0, n0 = self._arrived
+            self._rate.update(max(n - n0, 0) / (t_s - t0), t_s)
+            self._arrived = (t_s, n)
+        return self._rate.value or 0.0
+
+    def _latency(self, counts: QueueCounts | None) -> Latency:
+        """TTFT and time per token now against `RISK_FRAC` of their SLOs (module docstring):
+        the queue's longest wait and the engine's step where the host has them, else the p95s
+        of the host's window of finished requests."""
         loop = self.loop
         snap = loop.features.latency(loop.clock())
-        if snap is None:
-            return Latency.UNMEASURED
+        sample = loop.last_sample
+        engine = sample.engine if sample is not None else None
+        ttft = snap.ttft_p95_s if snap is not None else None
+        tpot = snap.tpot_p95_s if snap is not None else None
+        if counts is not None and counts.oldest_wait_s is not None:
+            ttft = counts.oldest_wait_s
+            if engine is not None and engine.queued > 0 and engine.start_rate > 0:
+                ttft += engine.queued / engine.start_rate
+        if engine is not None and engine.step_s is not None:
+            tpot = engine.step_s
         cfg = loop.controller.config
-        ttft, tpot = snap.ttft_p95_s, snap.tpot_p95_s
         if (ttft is not None and ttft > RISK_FRAC * cfg.ttft_slo_s) or (
             tpot is not None and tpot > RISK_FRAC * cfg.tpot_slo_s
         ):

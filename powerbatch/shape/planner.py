@@ -26,7 +26,6 @@ floor with no work to hold it): the plan then says how far it must miss.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,17 +40,6 @@ EARLY = 0.2
 W_DEFER = 10.0  # per W·s of interactive work the plan would hold back
 W_FLOOR = 2.0  # per W·s under the floor
 W_RAMP = 100.0  # per W/s over a ramp limit
-
-
-@dataclass(frozen=True, slots=True)
-class QueueCounts:
-    """What a host counts for the planner (the proxy's queue, the engine's steps): cumulative
-    arrivals per class, completions, and what is in flight and waiting now."""
-
-    arrived: Mapping[str, int]
-    completed: int
-    in_flight: int
-    queued: Mapping[str, int]
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from powerbatch.control import QueueCounts
 from powerbatch.control.config import ShapeSettings
 from powerbatch.control.controller import Controller
-from powerbatch.shape.planner import Plan, PlanInputs, QueueCounts, forecast, solve
+from powerbatch.shape.planner import Plan, PlanInputs, forecast, solve
 
 log = logging.getLogger("powerbatch.shape")
 
@@ -142,7 +143,7 @@ def plan_runner(
     settings: ShapeSettings, controller: Controller, counts: Callable[[], QueueCounts]
 ) -> PlanRunner | None:
     """A host's planner, or None when it is off. `counts` is the host's queue: the proxy's
-    admission queue (`powerbatch.cli.serve.queue_counts`), the engine's steps in the vLLM plugin."""
+    admission queue (`AdmissionQueue.counts`), the engine's steps in the vLLM plugin."""
     if settings.planner != "on":
         return None
     return PlanRunner(settings, controller, counts)

@@ -255,7 +255,7 @@ class ControlThread:
             ceiling=member,
             plan=plan,
         )
-        attach(member, self.loop)
+        attach(member, self.loop, stats.queue_counts)
         self.dp_rank = dp_rank
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

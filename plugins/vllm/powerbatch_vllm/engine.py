@@ -13,8 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from powerbatch.control import AdmissionLimits, LatencySnapshot, LatencyWindow
-from powerbatch.shape.planner import QueueCounts
+from powerbatch.control import AdmissionLimits, LatencySnapshot, LatencyWindow, QueueCounts
 from powerbatch.telemetry.filters import ewma_step
 
 # vLLM's priorities are integers with no names; the controller's TTFT p95 counts these classes.
