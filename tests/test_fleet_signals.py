@@ -73,6 +73,7 @@ def loop(
         ),
         clock=lambda: t_s,
         last_sample=SimpleNamespace(engine=engine),
+        reading_span_s=2.0,  # a 1-s mean, 1 s late
         predict_w=lambda f: model.predict_one(f)[0],  # ControlLoop.predict_w
         device_limit_bounds_w=lambda: bounds,  # a limiter holds the device (None: none)
     )
@@ -320,3 +321,18 @@ def test_latency_is_read_now_not_from_the_answers_of_a_hot_spot_that_has_left() 
     slow = replace(step, step_s=0.07)
     stepping = Host(loop(queued=0, engine=slow, **kw), rps=2.0)
     assert LoopSignals(stepping.loop, stepping.counts)().needy
+
+
+def test_a_member_just_raised_bids_as_held_until_its_meter_catches_up() -> None:
+    """Its limit rose from 322 to 450 W half a second ago; its 1-s mean, 1 s late, still reads
+    the 322 W drawn under the old limit. Against the limit now it reads as unheld and bids its
+    model's want, taught under the old limit (here 330 W), so its share falls back and its
+    limit follows: the share flapped and the limit lagged it. Against the limit its reading
+    was drawn under, it is held and bids the device's highest limit."""
+    model = LinearModel(300.0, 0.3)
+    kw: dict[str, Any] = {"in_flight": 80, "queued": 0, "power_w": 322.0, "model": model}
+    host = loop(t_s=9.0, limit_w=322.0, **kw)
+    host.history.append(loop(t_s=9.5, limit_w=450.0, **kw).history[-1])
+    assert LoopSignals(host)().want_w == pytest.approx(DEVICE_MAX_W)
+    host.history.append(loop(t_s=11.6, limit_w=450.0, **kw).history[-1])  # 2 s on: unheld
+    assert LoopSignals(host)().want_w < 400.0

@@ -25,6 +25,7 @@ from aiohttp import web
 from conftest import run, serve
 from test_telemetry_nvml import FakeGpu, fake_nvml
 
+from powerbatch.control.device import DeviceLimit
 from powerbatch.errors import (
     ConfigError,
     LimiterPermissionDenied,
@@ -695,3 +696,33 @@ def test_zeusd_over_a_unix_socket(tmp_path: Path) -> None:
 
     assert run(main()) == 900.0
     assert [mw for _, mw in fake.sets] == [450_000, 700_000]
+
+
+def test_a_fleet_share_that_rose_is_set_at_once_and_the_loops_own_raise_waits(
+    tmp_path: Path,
+) -> None:
+    """Cut to a lower share, then granted a higher one within the pace: the watts are the
+    member's (the leader paid them from the pool), so the raise goes at once; a raise under a
+    ceiling that has not risen (the controller's own, after a cut) still waits the pace."""
+    fake = FakeZeusd()
+
+    async def script(a: LimitActuator, clock: Clock) -> None:
+        dev = DeviceLimit(a)
+        dev.request(1000.0, ceiling_w=1010.0)
+        await dev._applying  # type: ignore[misc]
+        clock.t_s += 0.5
+        dev.request(700.0, ceiling_w=707.0)  # the share fell: a cut, at once
+        await dev._applying  # type: ignore[misc]
+        clock.t_s += 0.5
+        dev.request(900.0, ceiling_w=707.0)  # the same share: the loop's raise waits
+        await dev._applying  # type: ignore[misc]
+        assert a.in_force_w == 700.0
+        dev.request(900.0, ceiling_w=909.0)  # the share rose: at once
+        await dev._applying  # type: ignore[misc]
+        assert a.in_force_w == 900.0
+        clock.t_s += 0.5
+        dev.request(950.0, ceiling_w=909.0)  # nothing rose since that change: paced again
+        await dev._applying  # type: ignore[misc]
+        assert a.in_force_w == 900.0 and len(fake.sets) == 3
+
+    actuator_run(fake, tmp_path, script, dead_band_w=10.0, min_interval_s=2.0)

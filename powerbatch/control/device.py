@@ -20,6 +20,7 @@ class DeviceLimit:
     def __init__(self, actuator: LimitActuator) -> None:
         self.actuator = actuator
         self._applying: asyncio.Task[None] | None = None
+        self._set_under_w: float | None = None  # the ceiling when the limit last changed
 
     def in_force_w(self) -> float | None:
         """The limit the controller may lean on: None while degraded (admission alone then
@@ -41,22 +42,33 @@ class DeviceLimit:
         if requested_w is not None:
             await self._apply(requested_w)
 
-    def request(self, requested_w: float | None) -> None:
+    def request(self, requested_w: float | None, ceiling_w: float | None = None) -> None:
         """Hand the requested limit to the actuator off the tick (no loop: a tick driven by
-        hand in a test sets nothing)."""
+        hand in a test sets nothing). A raise waits the actuator's pace, unless the ceiling
+        (a fleet share) has risen since the limit last changed: those watts are granted, and
+        a share raised just after it fell would otherwise stay undrawn for the pace."""
         if requested_w is None or (self._applying is not None and not self._applying.done()):
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
-        self._applying = loop.create_task(self._apply(requested_w), name="powerbatch-limit")
+        under = self._set_under_w
+        rose = ceiling_w is not None and under is not None and ceiling_w > under
+        self._applying = loop.create_task(
+            self._apply(requested_w, ceiling_w, paced=not rose), name="powerbatch-limit"
+        )
 
-    async def _apply(self, requested_w: float) -> None:
+    async def _apply(
+        self, requested_w: float, ceiling_w: float | None = None, paced: bool = True
+    ) -> None:
+        before = self.actuator.in_force_w
         try:
-            await self.actuator.apply(requested_w)
+            await self.actuator.apply(requested_w, paced)
         except Exception:  # the actuator reports its own failures; this is a bug guard
             log.exception("applying the device power limit failed")
+        if self.actuator.in_force_w != before:
+            self._set_under_w = ceiling_w
 
     async def stop(self) -> None:
         if self._applying is not None:

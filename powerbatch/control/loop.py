@@ -343,7 +343,7 @@ class ControlLoop:
         for observer in self.observers:
             observer.observe(obs, d)
         if self.device is not None:
-            self.device.request(self._limit_request_w(d.power_limit_w, t_s))
+            self.device.request(self._limit_request_w(d.power_limit_w, t_s), obs.ceiling_w)
         if self.sm_clock is not None:
             self.sm_clock.tick(obs, t_s, self._aligner.lag.lag_s)
         self._sample, self._latency, self._tick_error = host, latency, None
@@ -417,6 +417,12 @@ class ControlLoop:
 
     def history_rows(self, since_s: float = -math.inf) -> list[dict[str, Any]]:
         return self.record.rows(since_s)
+
+    @property
+    def reading_span_s(self) -> float:
+        """How far back the power the loop acts on reaches: the meter's learned lag plus its
+        averaging window. A change younger than this is not yet wholly in the reading."""
+        return self._aligner.lag.lag_s + self.window_s
 
     @property
     def last_sample(self) -> HostSample | None:

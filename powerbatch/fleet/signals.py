@@ -47,8 +47,9 @@ from powerbatch.fleet.lowering import Meter
 from powerbatch.fleet.member import MemberSignals
 from powerbatch.telemetry.filters import Ewma
 
-if TYPE_CHECKING:  # only its public predict_w and device_limit_bounds_w are used
+if TYPE_CHECKING:  # only its public attributes are used
     from powerbatch.control.loop import ControlLoop
+    from powerbatch.control.record import TickRecord
 
 PINNED_FRAC = 0.95  # measured power at this share of the device limit or more: held by it
 DEMAND_TAU_S = 5.0  # how slowly the demand in the bid falls
@@ -103,7 +104,7 @@ class LoopSignals:
             want = loop.predict_w(shape.scaled(float(demand)))
             if bounds is None:
                 floor = loop.predict_w(shape.scaled(float(loop.controller.config.min_batch)))
-        limit_w, power_w = rec.power_limit_w or 0.0, rec.power_w or 0.0
+        limit_w, power_w = self._limit_read_w(rec), rec.power_w or 0.0
         pinned = bool(demand > 0 and limit_w > 0 and power_w >= PINNED_FRAC * limit_w and bounds)
         queued = sum(by_class.values())
         waiting = queued > max(QUEUE_MIN, QUEUE_FRAC * rec.in_flight)
@@ -131,6 +132,20 @@ class LoopSignals:
             max_w=most,
             needy=needy,
         )
+
+    def _limit_read_w(self, rec: TickRecord) -> float:
+        """The device limit the power reading was drawn under: the lowest in force over the
+        reading's span (`ControlLoop.reading_span_s`; 0: none). Against the limit now, a member
+        just raised reads as unheld until its meter catches up, bids its model's want (taught
+        under the old limit, it under-reads), and its share falls back (docs/fleet.md, stop 43)."""
+        since = rec.t_s - self.loop.reading_span_s
+        lowest = rec.power_limit_w or 0.0
+        for r in reversed(self.loop.history):
+            if r.t_s < since:
+                break
+            if r.power_limit_w:
+                lowest = min(lowest, r.power_limit_w) if lowest else r.power_limit_w
+        return lowest
 
     def _arrival_rate(self, t_s: float, counts: QueueCounts | None) -> float | None:
         """Requests arriving per second, averaged (`RATE_HALF_LIFE_S`); None: not counted."""

@@ -433,6 +433,8 @@ class LimitActuator(PacedActuator[PowerLimiter]):
 
     A request is applied when it differs from the total in force by more than `dead_band_w`;
     raises wait `min_interval_s` after the last change, cuts go through at once (safety first).
+    A raise the caller marks unpaced (a fleet share that rose: the watts are granted) goes at
+    once too.
     A failure or timeout (of `start()` too) sets `degraded` with a reason, forgets the total in
     force (a half-applied change is unknown), and retries after a backoff that doubles from
     `backoff_initial_s` to `backoff_max_s`; the first success clears it. While degraded the
@@ -474,7 +476,7 @@ class LimitActuator(PacedActuator[PowerLimiter]):
         constraints = self.limiter.constraints_w()
         return sum(lo for lo, _ in constraints), sum(hi for _, hi in constraints)
 
-    def decide(self, requested_w: float, now_s: float) -> str:
+    def decide(self, requested_w: float, now_s: float, paced: bool = True) -> str:
         """What `apply` would do now: apply, dead_band, too_soon, backoff or inactive. Pure."""
         gate = self._gate(now_s)
         if gate is not None:
@@ -484,7 +486,7 @@ class LimitActuator(PacedActuator[PowerLimiter]):
         delta_w = self._target_w(requested_w) - self.in_force_w
         if abs(delta_w) <= self.dead_band_w:
             return "dead_band"
-        if delta_w < 0:
+        if delta_w < 0 or not paced:
             return "apply"
         return self._paced(now_s)
 
@@ -494,13 +496,14 @@ class LimitActuator(PacedActuator[PowerLimiter]):
             return requested_w
         return min(max(requested_w, bounds[0]), bounds[1])
 
-    async def apply(self, requested_w: float) -> float | None:
-        """Apply `requested_w` if the rules allow; the total in force after (None if unknown)."""
+    async def apply(self, requested_w: float, paced: bool = True) -> float | None:
+        """Apply `requested_w` if the rules allow (`paced`: a raise waits `min_interval_s`);
+        the total in force after (None if unknown)."""
         if not (math.isfinite(requested_w) and requested_w > 0):
             raise ValueError(f"requested_w must be positive and finite, got {requested_w}")
         self.requested_w = requested_w
         now_s = self._clock()
-        if self.decide(requested_w, now_s) != "apply":
+        if self.decide(requested_w, now_s, paced) != "apply":
             return self.in_force_w
         if not self._started and not await self.start():
             return None
