@@ -82,6 +82,29 @@ def test_while_the_lower_limit_holds_the_ceiling_follows_a_lagging_meter_past_th
     assert low.show(4.7, 357.5, True, held, meter(440.0, 353.9)) == 357.5  # and done
 
 
+def test_a_reading_from_before_the_fall_does_not_end_the_lowering() -> None:
+    """A meter 2 s late (a reading reaches 3 s back) reads 190 W when the share falls from 465
+    to 357.5 W: what was drawn two seconds before, under the old limit. Ended on it, the
+    lowering showed the share itself, and the meter then rose to 450 W with what was drawn
+    before the lower limit took: a breach, and the batch cut (the diurnal case, stop 36). The
+    lowering lasts until a reading wholly after the fall reads the share."""
+    low = Lowering()
+
+    def late(power_w: float, limit_w: float) -> Meter:
+        return Meter(power_w, limit_w, MARGIN, True, span_s=3.0)
+
+    low.show(0.0, 465.0, True, 465.0, late(190.0, 460.0))
+    low.show(0.2, 357.5, True, 465.0, late(190.0, 460.0))  # falls; the limit is asked for
+    held = 357.5
+    assert low.show(0.5, 357.5, True, held, late(190.0, 353.9)) == 357.5  # the limit holds
+    assert low.show(1.5, 357.5, True, held, late(450.0, 353.9)) == pytest.approx(450.0 * 1.02)
+    assert low.show(2.5, 357.5, True, held, late(420.0, 353.9)) == pytest.approx(420.0 * 1.02)
+    assert low.show(3.5, 357.5, True, held, late(350.0, 353.9)) == 357.5  # after the span
+    assert low.show(3.7, 357.5, True, held, late(440.0, 353.9)) == 357.5  # and done
+    low.show(4.0, 465.0, True, 465.0, late(350.0, 460.0))  # back up: a new fall starts anew
+    assert low.since is None
+
+
 def test_a_renewal_reports_the_limit_in_force_not_the_lagging_meter() -> None:
     s = FleetSettings(fleet_budget="b", fleet_budget_w=1400.0, fleet_lease_ttl_s=3.0)
     lease = Lease(s)

@@ -8,11 +8,13 @@ held, never up), and asks for the new share's device limit at once (`limit_w`); 
 by that limit, keeps its batch and slows as a capped server does. Once that limit is in force
 it bounds the draw, so a meter still over the share shows what was drawn before it took: the
 ceiling then follows the meter, up or down but never over the ceiling before the fall, until
-the meter reads the share (a lagging meter read against the share would be a breach, and cut
-the batch). Before the limit holds, the ceiling follows the meter down, never up, and once the
-meter reads the new share, or after `MAX_S`, the share itself is the ceiling. Without a device
-limit the ceiling follows the meter down the same way, and admission steps the batch down
-rather than cutting it.
+a reading wholly after the fall (`Meter.span_s`) reads the share: a lagging meter read against
+the share would be a breach, and cut the batch, and a low reading taken before the fall ended
+the lowering too soon on a meter 2 s late (docs/fleet.md, stop 36). Before the limit holds,
+the ceiling follows the meter down, never up, and once the meter reads the new share (after
+that span, where a limit is due), or after `MAX_S`, the share itself is the ceiling. Without a
+device limit the ceiling follows the meter down the same way, and admission steps the batch
+down rather than cutting it.
 
 Why it is safe: the member's draw stays under the old ceiling, which Redis still holds for it
 until a renewal reports less; and a renewal reports less only once the meter shows it or, with
@@ -38,6 +40,7 @@ class Meter:
     limit_w: float | None = None  # the device limit in force; None: none, or degraded
     limit_margin_frac: float = 0.0  # the loop sets the limit this share under its ceiling
     limited: bool = False  # a limiter controls the device (its limit may be in flight)
+    span_s: float = 0.0  # how far back a reading reaches (the loop's `reading_span_s`)
 
 
 class Lowering:
@@ -54,8 +57,12 @@ class Lowering:
         """The ceiling for this tick, given the usable share and what Redis holds for it."""
         prev = self.ceiling_w
         out = share_w
+        keep = False  # a lower limit holds (or is due) and no reading is yet wholly after the fall
         self.limit_w, self.limit_holds = None, False
-        if live and prev is not None and share_w < prev - 1e-6 and m.power_w is not None:
+        if self.since is not None and share_w >= self.from_w - 1e-6:
+            self.since = None  # the share is back where it fell from
+        going = self.since is not None or (prev is not None and share_w < prev - 1e-6)
+        if live and prev is not None and m.power_w is not None and going:
             if self.since is None:
                 self.since, self.from_w = now, prev
             age = now - self.since
@@ -63,15 +70,17 @@ class Lowering:
             holds = m.limit_w is not None and m.limit_w <= want_limit + LIMIT_TOLERANCE_W
             waiting = m.limited and not holds and age >= LIMIT_SET_GRACE_S
             over_w = m.power_w * (1.0 + FOLLOW_SLACK_FRAC)
-            if holds and m.power_w > share_w:  # the limit bounds the draw, so the meter shows
-                # what was drawn before it took (under the old ceiling): follow it until it
-                # reads the share, up as well as down, with no deadline and no hold to obey
+            keep = m.limited and not waiting and age < m.span_s  # the limit holds or is due
+            if holds and (m.power_w > share_w or keep):  # the limit bounds the draw, so the
+                # meter shows what was drawn before it took (under the old ceiling): follow it
+                # until a reading after the fall reads the share, up as well as down, with no
+                # deadline and no hold to obey
                 out = max(share_w, min(self.from_w, over_w))
             elif age < MAX_S and not waiting and m.power_w > share_w:
                 out = max(share_w, min(prev, held_w, over_w))
             if m.limited:
                 self.limit_w, self.limit_holds = want_limit, holds
-        if out <= share_w + 1e-9:
+        if out <= share_w + 1e-9 and not keep:
             out, self.since = share_w, None
         self.ceiling_w = out
         return out

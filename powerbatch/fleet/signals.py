@@ -191,7 +191,7 @@ class LoopSignals:
         limited = loop.device_limit_bounds_w() is not None
         if rec is None:
             return Meter(limit_margin_frac=margin, limited=limited)
-        return Meter(rec.power_w, rec.power_limit_w, margin, limited)
+        return Meter(rec.power_w, rec.power_limit_w, margin, limited, loop.reading_span_s)
 
     def _smoothed(self, t_s: float, demand: float) -> float:
         """The demand as bid: a rise at once, a fall with time constant `DEMAND_TAU_S`."""
