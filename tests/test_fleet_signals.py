@@ -53,6 +53,7 @@ def loop(
     tpot_p95_s: float | None = 0.02,  # well inside its 0.1-s SLO
     measured: bool = True,  # False: the host has no latency window yet
     engine: EngineLoad | None = None,  # the engine's queue and step, as last scraped
+    ceiling_w: float = math.nan,  # the share the loop held at its last decision
 ) -> Any:
     batch = float(in_flight)
     rec = TickRecord(
@@ -66,7 +67,8 @@ def loop(
     return SimpleNamespace(
         history=[rec],
         controller=SimpleNamespace(
-            config=SimpleNamespace(min_batch=1, max_w=max_w, ttft_slo_s=2.0, tpot_slo_s=0.1)
+            config=SimpleNamespace(min_batch=1, max_w=max_w, ttft_slo_s=2.0, tpot_slo_s=0.1),
+            last=SimpleNamespace(ceiling_w=ceiling_w),
         ),
         features=SimpleNamespace(
             latency=lambda t: LatencySnapshot(ttft_p95_s, tpot_p95_s, {}, 10) if measured else None
@@ -336,3 +338,14 @@ def test_a_member_just_raised_bids_as_held_until_its_meter_catches_up() -> None:
     assert LoopSignals(host)().want_w == pytest.approx(DEVICE_MAX_W)
     host.history.append(loop(t_s=11.6, limit_w=450.0, **kw).history[-1])  # 2 s on: unheld
     assert LoopSignals(host)().want_w < 400.0
+
+
+def test_a_needy_member_its_limit_does_not_hold_keeps_the_share_it_has() -> None:
+    """Just raised to a 506-W share, 37 requests waiting, drawing 404 W while its batch
+    grows: its model, taught under the old limit, says its demand draws 333 W. Bidding that,
+    its share fell back to about 390 W and came back a period later (the issue's fleet, stop
+    43: the hot member's share went 497, 506, 391, 391, 373, 391, 442, 534 in 8 s)."""
+    model = LinearModel(300.0, 0.3)
+    kw: dict[str, Any] = {"in_flight": 73, "queued": 37, "power_w": 404.0, "model": model}
+    bid = LoopSignals(loop(limit_w=492.0, ceiling_w=506.0, **kw))()
+    assert bid.needy and bid.want_w == pytest.approx(506.0)

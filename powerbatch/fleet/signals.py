@@ -18,8 +18,10 @@
   capped draw down while its batch grew (docs/fleet.md, stop 34). A held member that does not
   give bids the device's highest limit (want, above), so its fair floor is its whole split: a
   member lent out under its split that bid its capped draw plus headroom climbed back only
-  `HEADROOM_FRAC` a period (stop 36). Any other member wants what it draws (or its model's
-  demand, if more) plus `HEADROOM_FRAC`;
+  `HEADROOM_FRAC` a period (stop 36). A needy member its limit does not hold wants at least
+  the share it has: its model under-reads, and a share that fell on it came back a period
+  later (stop 43). Any other member wants what it draws (or its model's demand, if more) plus
+  `HEADROOM_FRAC`;
 * value_per_w = 2 λ / W, λ the requests arriving per second (`RATE_HALF_LIFE_S`): the modelled
   goodput at W is λ, what it could answer in time. Not D: a backlog is late work, and Little's
   law (D = λ T) counts it the more the longer it waits, so a member a hot spot had just left
@@ -118,7 +120,11 @@ class LoopSignals:
         elif pinned and bounds:  # held, and not shown it can spare a watt: its capped draw
             # says nothing of its demand, so it bids as a held member at risk does
             want = max(want, bounds[1])
-        elif not needy:  # all it has is served: what it draws, and room for a few more
+        elif needy:  # work waits and the limit does not hold it now: it spares nothing of
+            # what it has (its model, taught under its limit, under-reads the demand, and a
+            # share that fell back on it came back a period later: the share flapped)
+            want = max(want, self._ceiling_w())
+        else:  # all it has is served: what it draws, and room for a few more
             want = max(want, power_w) * (1.0 + HEADROOM_FRAC)
         served = demand if rate is None else rate
         value = 2.0 * served / want if served > 0 and want > 0 else 0.0
@@ -132,6 +138,11 @@ class LoopSignals:
             max_w=most,
             needy=needy,
         )
+
+    def _ceiling_w(self) -> float:
+        """The ceiling the loop held at its last decision (its share; 0 before one)."""
+        d = self.loop.controller.last
+        return d.ceiling_w if d is not None and math.isfinite(d.ceiling_w) else 0.0
 
     def _limit_read_w(self, rec: TickRecord) -> float:
         """The device limit the power reading was drawn under: the lowest in force over the
