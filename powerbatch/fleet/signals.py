@@ -27,8 +27,9 @@
   law (D = λ T) counts it the more the longer it waits, so a member a hot spot had just left
   outbid the one it moved to until its backlog drained (docs/fleet.md, stop 43). A host that
   does not count arrivals bids D;
-* latency, read now where the host can say: the longest wait in its queue (plus the engine's
-  own queue over its start rate) for TTFT, the engine's step for time per token; the p95s of
+* latency, read now where the host can say: the longest wait in its queue for TTFT (the
+  engine law holds work here once the engine's own queue passes 2 s of its starts, so this
+  wait covers what the engine cannot start), the engine's step for time per token; the p95s of
   the window of finished requests only where it cannot (they keep a hot spot's late answers
   for the window's 30 s after it has left);
 * bounds: with a device limit, its range (the lowest limit holds any share above it, a share
@@ -182,9 +183,7 @@ class LoopSignals:
         ttft = snap.ttft_p95_s if snap is not None else None
         tpot = snap.tpot_p95_s if snap is not None else None
         if counts is not None and counts.oldest_wait_s is not None:
-            ttft = counts.oldest_wait_s
-            if engine is not None and engine.queued > 0 and engine.start_rate > 0:
-                ttft += engine.queued / engine.start_rate
+            ttft = counts.oldest_wait_s  # the engine's own queue is the engine law's to bound
         if engine is not None and engine.step_s is not None:
             tpot = engine.step_s
         cfg = loop.controller.config
