@@ -349,3 +349,20 @@ def test_a_needy_member_its_limit_does_not_hold_keeps_the_share_it_has() -> None
     kw: dict[str, Any] = {"in_flight": 73, "queued": 37, "power_w": 404.0, "model": model}
     bid = LoopSignals(loop(limit_w=492.0, ceiling_w=506.0, **kw))()
     assert bid.needy and bid.want_w == pytest.approx(506.0)
+
+
+def test_a_member_whose_work_rises_keeps_its_share_on_a_meter_that_lags() -> None:
+    """Its day rising, 9 then 17 requests in flight under a 358-W share, nothing queued: its
+    meter, 2 s late, still reads the 182 W of the lighter load before. Bidding that plus
+    headroom, it was lowered to 246 W, read its lagging meter over that as a breach, cut its
+    batch from 17 to 9 and queued 19 requests (the diurnal case, stop 43). While its work is at
+    a new high it keeps the share it has."""
+    model = LinearModel(100.0, 5.0)
+    kw: dict[str, Any] = {"queued": 0, "power_w": 182.0, "limit_w": 354.0, "model": model}
+    host = loop(t_s=2.5, in_flight=9, ceiling_w=358.0, **kw)
+    sig = LoopSignals(host)
+    sig()
+    host.history = loop(t_s=3.0, in_flight=17, **kw).history
+    assert sig().want_w >= 358.0
+    host.history = loop(t_s=3.5, in_flight=17, **kw).history  # no longer rising: its draw
+    assert sig().want_w == pytest.approx((100.0 + 5.0 * 17) * (1 + HEADROOM_FRAC))

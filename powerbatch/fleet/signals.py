@@ -18,10 +18,10 @@
   capped draw down while its batch grew (docs/fleet.md, stop 34). A held member that does not
   give bids the device's highest limit (want, above), so its fair floor is its whole split: a
   member lent out under its split that bid its capped draw plus headroom climbed back only
-  `HEADROOM_FRAC` a period (stop 36). A needy member its limit does not hold wants at least
-  the share it has: its model under-reads, and a share that fell on it came back a period
-  later (stop 43). Any other member wants what it draws (or its model's demand, if more) plus
-  `HEADROOM_FRAC`;
+  `HEADROOM_FRAC` a period (stop 36). A member its limit does not hold whose work waits or is
+  at a new high wants at least the share it has: its model under-reads, a share that fell on
+  it came back a period later, and a lagging meter reads a lighter load's draw (stop 43). Any
+  other member wants what it draws (or its model's demand, if more) plus `HEADROOM_FRAC`;
 * value_per_w = 2 λ / W, λ the requests arriving per second (`RATE_HALF_LIFE_S`): the modelled
   goodput at W is λ, what it could answer in time. Not D: a backlog is late work, and Little's
   law (D = λ T) counts it the more the longer it waits, so a member a hot spot had just left
@@ -125,8 +125,12 @@ class LoopSignals:
             # what it has (its model, taught under its limit, under-reads the demand, and a
             # share that fell back on it came back a period later: the share flapped)
             want = max(want, self._ceiling_w())
-        else:  # all it has is served: what it draws, and room for a few more
+        else:  # all it has is served: what it draws, and room for a few more; while its
+            # work is at a new high, nothing of what it has (a meter that lags reads a lighter
+            # load's draw: a member whose day rose gave watts on a reading 2 s old, then queued)
             want = max(want, power_w) * (1.0 + HEADROOM_FRAC)
+            if rising:
+                want = max(want, self._ceiling_w())
         served = demand if rate is None else rate
         value = 2.0 * served / want if served > 0 and want > 0 else 0.0
         return MemberSignals(
