@@ -121,7 +121,8 @@ class LimiterSettings:
     )
     limit_min_interval_s: float = setting(
         2.0,
-        "raises of the limit wait this long after the last change (cuts go at once), s",
+        "raises of the limit wait this long after the last change (cuts, and a fleet share"
+        " that rose, go at once), s",
         ge=0,
         le=3600,
     )
