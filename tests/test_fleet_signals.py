@@ -216,8 +216,9 @@ def test_a_held_member_whose_work_rises_gives_nothing_while_its_answers_are_stil
     """A member turning hot under its 322-W limit: its work grows from 19 to 80 requests while
     the answers of its window (requests that arrived while it was cold) are well inside the
     SLOs. It must not bid `GIVE_FRAC` under its capped draw while its arrivals outrun it (a
-    member that did ratcheted its share down with its draw); once its work stops rising it
-    may give again."""
+    member that did ratcheted its share down with its draw), and is needy while its work
+    climbs past its recent high by more than 2 sd of a Poisson count (19 -> 35 -> 58 -> 80);
+    once its work stops rising it may give again."""
     model = LinearModel(540.0, 1.0)
     kw: dict[str, Any] = {"queued": 0, "power_w": 321.0, "limit_w": 322.0, "model": model}
     kw["ttft_p95_s"] = 0.3  # with the default 20-ms time per token: measured, well inside
@@ -227,7 +228,9 @@ def test_a_held_member_whose_work_rises_gives_nothing_while_its_answers_are_stil
     for t_s, n in ((11.0, 35), (12.0, 58), (13.0, 80)):
         host.history = loop(t_s=t_s, in_flight=n, **kw).history
         bid = sig()
-        assert not bid.needy and bid.want_w >= 321.0  # at least its draw: its floor stays
+        # at least its draw, so its floor stays; climbing past its recent high by more than
+        # a Poisson count's noise, held: needy (its arrivals outrun it)
+        assert bid.needy and bid.want_w >= 321.0
     host.history = loop(t_s=14.0, in_flight=78, **kw).history  # no longer rising
     assert sig().want_w == pytest.approx(321.0 * (1 - GIVE_FRAC))
 
@@ -366,3 +369,19 @@ def test_a_member_whose_work_rises_keeps_its_share_on_a_meter_that_lags() -> Non
     assert sig().want_w >= 358.0
     host.history = loop(t_s=3.5, in_flight=17, **kw).history  # no longer rising: its draw
     assert sig().want_w == pytest.approx((100.0 + 5.0 * 17) * (1 + HEADROOM_FRAC))
+
+
+def test_work_that_wanders_within_its_noise_makes_no_member_needy() -> None:
+    """Even load: a held member's work moves with its Poisson arrivals (40, then 48, within
+    2 sd of its recent high); that is not a surge, and a fleet with nothing to move must keep
+    its static split. 56 is past it."""
+    model = LinearModel(540.0, 1.0)
+    kw: dict[str, Any] = {"queued": 0, "power_w": 321.0, "limit_w": 322.0, "model": model}
+    kw["ttft_p95_s"] = 0.3
+    host = loop(t_s=10.0, in_flight=40, **kw)
+    sig = LoopSignals(host)
+    sig()
+    host.history = loop(t_s=10.5, in_flight=48, **kw).history
+    assert not sig().needy
+    host.history = loop(t_s=11.0, in_flight=62, **kw).history
+    assert sig().needy

@@ -6,10 +6,13 @@
   the member (meter at `PINNED_FRAC` of it or more) with work, the meter and a model taught
   there under-read the demand, and W is the device's highest limit;
 * needy: work waits (beyond `QUEUE_MIN` / `QUEUE_FRAC` of the batch), or its device limit
-  holds it (or a little work waits) while its p95 TTFT or time per token is past `RISK_FRAC`
-  of its SLO: more watts would buy goodput. A member held by its limit whose latency is
-  measured well inside its SLOs (both p95s known and under `RISK_FRAC`) slows as a capped
-  server does and loses nothing by slowing a little more: it wants `GIVE_FRAC` less than it
+  holds it (or a little work waits) while its TTFT or time per token (below) is past
+  `RISK_FRAC` of its SLO, or its device limit holds it while its work climbs past the demand
+  it last bid by more than 2 sd of a Poisson count: more watts would buy goodput (the last
+  says so seconds before a queue or a latency does: without it a new hot member turned needy
+  4 s after a move). A member held by its limit whose latency is measured well inside its
+  SLOs (both known and under `RISK_FRAC`) slows as a capped server does and loses nothing
+  by slowing a little more: it wants `GIVE_FRAC` less than it
   draws, so its share steps down while its latency allows. One whose latency is not yet
   measured (too few answers in the window) gives nothing: it has not shown it can spare a
   watt. Nor does one whose work (in flight plus queued) is above the demand it last bid
@@ -79,6 +82,7 @@ class LoopSignals:
         self.counts = counts
         self._shape: Features | None = None  # the last per-request shape seen under load
         self._demand: tuple[float, float] | None = None  # (t_s, demand as bid)
+        self._demand_before: float | None = None  # the demand bid before this call
         self._arrived: tuple[float, int] | None = None  # (t_s, arrivals counted by then)
         self._rate = Ewma(RATE_HALF_LIFE_S)  # requests arriving per second
 
@@ -91,6 +95,7 @@ class LoopSignals:
         by_class = dict(counts.queued) if counts else {"normal": rec.queued}
         rate = self._arrival_rate(rec.t_s, counts)
         work = float(rec.in_flight + rec.queued)
+        self._demand_before = None if self._demand is None else self._demand[1]
         rising = self._demand is not None and work > self._demand[1]
         demand = self._smoothed(rec.t_s, work)
         f = rec.features
@@ -112,7 +117,17 @@ class LoopSignals:
         queued = sum(by_class.values())
         waiting = queued > max(QUEUE_MIN, QUEUE_FRAC * rec.in_flight)
         latency = self._latency(counts)
-        needy = waiting or ((pinned or queued > 0) and latency is Latency.AT_RISK)
+        # Held by its limit while its work climbs past its recent high by more than a Poisson
+        # count's noise (2 sd): its arrivals outrun it, and the queue and the latencies that
+        # would show it come seconds later (a hot spot's new member, stop 43).
+        surging = self._demand_before is not None and work > self._demand_before + 2.0 * math.sqrt(
+            max(self._demand_before, 1.0)
+        )
+        needy = (
+            waiting
+            or ((pinned or queued > 0) and latency is Latency.AT_RISK)
+            or (pinned and surging)
+        )
         if needy and pinned and bounds:
             want = max(want, bounds[1])  # held by the limit: it would draw more than it may
         elif pinned and latency is Latency.INSIDE and not rising:  # held, measured inside, and
