@@ -82,7 +82,6 @@ class LoopSignals:
         self.counts = counts
         self._shape: Features | None = None  # the last per-request shape seen under load
         self._demand: tuple[float, float] | None = None  # (t_s, demand as bid)
-        self._demand_before: float | None = None  # the demand bid before this call
         self._arrived: tuple[float, int] | None = None  # (t_s, arrivals counted by then)
         self._rate = Ewma(RATE_HALF_LIFE_S)  # requests arriving per second
 
@@ -95,8 +94,8 @@ class LoopSignals:
         by_class = dict(counts.queued) if counts else {"normal": rec.queued}
         rate = self._arrival_rate(rec.t_s, counts)
         work = float(rec.in_flight + rec.queued)
-        self._demand_before = None if self._demand is None else self._demand[1]
-        rising = self._demand is not None and work > self._demand[1]
+        before = None if self._demand is None else self._demand[1]  # the demand last bid
+        rising = before is not None and work > before
         demand = self._smoothed(rec.t_s, work)
         f = rec.features
         if f.batch >= 1:
@@ -120,9 +119,7 @@ class LoopSignals:
         # Held by its limit while its work climbs past its recent high by more than a Poisson
         # count's noise (2 sd): its arrivals outrun it, and the queue and the latencies that
         # would show it come seconds later (a hot spot's new member, stop 43).
-        surging = self._demand_before is not None and work > self._demand_before + 2.0 * math.sqrt(
-            max(self._demand_before, 1.0)
-        )
+        surging = before is not None and work > before + 2.0 * math.sqrt(max(before, 1.0))
         needy = (
             waiting
             or ((pinned or queued > 0) and latency is Latency.AT_RISK)
