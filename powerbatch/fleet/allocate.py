@@ -130,7 +130,7 @@ def fair_floors(
 
 
 def _idle(bid: Bid) -> bool:
-    """No work at all (its value, 2 D / W, is 0 only at no demand)."""
+    """No work at all (its value, 2 λ / W, is 0 only before anything has arrived)."""
     return bid.value_per_w <= 0.0
 
 
