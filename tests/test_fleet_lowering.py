@@ -130,10 +130,11 @@ def test_the_loop_asks_for_the_lower_of_its_limit_and_the_falling_shares() -> No
         def device_limit_w(self, t_s: float) -> float | None:
             return self.below
 
-    def request(below: float | None, limit: float | None) -> float | None:
+    def request(below: float | None, limit: float | None) -> tuple[float | None, float | None]:
         host = SimpleNamespace(ceiling=Source(below))
-        return ControlLoop._limit_request_w(host, limit, 0.0)  # type: ignore[arg-type]
+        return ControlLoop._limit_request_w(host, limit, 500.0, 0.0)  # type: ignore[arg-type]
 
-    assert request(297.0, 495.0) == 297.0
-    assert request(None, 495.0) == 495.0
-    assert request(297.0, None) is None  # observing: no limit at all
+    assert request(297.0, 495.0) == (297.0, 297.0)  # bounded by the falling share's limit
+    assert request(None, 495.0) == (495.0, 500.0)  # by the ceiling
+    assert request(297.0, None) == (None, 297.0)  # observing: no limit at all
+

@@ -17,6 +17,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pynvml
@@ -26,6 +27,7 @@ from conftest import run, serve
 from test_telemetry_nvml import FakeGpu, fake_nvml
 
 from powerbatch.control.device import DeviceLimit
+from powerbatch.control.loop import ControlLoop
 from powerbatch.errors import (
     ConfigError,
     LimiterPermissionDenied,
@@ -726,3 +728,45 @@ def test_a_fleet_share_that_rose_is_set_at_once_and_the_loops_own_raise_waits(
         assert a.in_force_w == 900.0 and len(fake.sets) == 3
 
     actuator_run(fake, tmp_path, script, dead_band_w=10.0, min_interval_s=2.0)
+
+
+def test_a_share_that_fell_and_came_back_is_set_at_once(tmp_path: Path) -> None:
+    """A share falls 490 -> 412 W while the meter holds the ceiling shown at 490 W, then comes
+    back to 490 W within the limit's pace: the limit goes back up at once (the watts were
+    granted). Bounded by the ceiling shown, the raise read as no rise and waited 2 s while
+    a burst's prompts queued under 204 W of 245 (bursts case, stop 44)."""
+
+    class Source:
+        def __init__(self) -> None:
+            self.below: float | None = None
+
+        def ceiling_w(self, t_s: float) -> float | None:
+            return 490.0
+
+        def device_limit_w(self, t_s: float) -> float | None:
+            return self.below
+
+    src = Source()
+    host = SimpleNamespace(ceiling=src)
+    fake = FakeZeusd()
+
+    def ask(dev: DeviceLimit, limit_w: float) -> None:
+        req = ControlLoop._limit_request_w(host, limit_w, 490.0, 0.0)  # type: ignore[arg-type]
+        dev.request(*req)
+
+    async def script(a: LimitActuator, clock: Clock) -> None:
+        dev = DeviceLimit(a)
+        ask(dev, 485.0)
+        await dev._applying  # type: ignore[misc]
+        clock.t_s += 0.5
+        src.below = 408.0  # the share falls: its member asks for the lower limit
+        ask(dev, 485.0)
+        await dev._applying  # type: ignore[misc]
+        assert a.in_force_w == 408.0
+        clock.t_s += 0.5
+        src.below = None  # the share is back
+        ask(dev, 485.0)
+        await dev._applying  # type: ignore[misc]
+        assert a.in_force_w == 485.0
+
+    actuator_run(fake, tmp_path, script, dead_band_w=2.0, min_interval_s=2.0)

@@ -232,7 +232,7 @@ class ControlLoop:
             t_s = self.clock()
             ceiling_w = self.ceiling.ceiling_w(t_s) if self.ceiling is not None else None
             limit_w = self.controller.power_limit_w(ceiling_w)
-            await self.device.apply(self._limit_request_w(limit_w, t_s))
+            await self.device.apply(self._limit_request_w(limit_w, ceiling_w, t_s)[0])
         if self.sm_clock is not None:
             await self.sm_clock.start()
         await self.monitor.start()
@@ -301,11 +301,19 @@ class ControlLoop:
     def _limit_in_force_w(self) -> float | None:
         return self.device.in_force_w() if self.device is not None else None
 
-    def _limit_request_w(self, limit_w: float | None, t_s: float) -> float | None:
+    def _limit_request_w(
+        self, limit_w: float | None, ceiling_w: float | None, t_s: float
+    ) -> tuple[float | None, float | None]:
+        """The limit to ask for, and what bounds it from above: the ceiling, or while a fleet
+        share falls the lower limit its member asks for. `DeviceLimit.request` sets a raise
+        of that bound at once; against the ceiling shown while a share falls (which follows
+        the meter down from the old share), a share that came back read as no rise, and its
+        limit waited the pace (docs/fleet.md, stop 44)."""
         below = self.ceiling.device_limit_w(t_s) if self.ceiling is not None else None
-        if limit_w is not None and below is not None:
-            return min(limit_w, below)
-        return limit_w
+        if below is None:
+            return limit_w, ceiling_w
+        bound = below if ceiling_w is None else min(ceiling_w, below)
+        return (None if limit_w is None else min(limit_w, below)), bound
 
     def tick(self, t_s: float) -> Decision:
         reading = self.monitor.snapshot()
@@ -343,7 +351,7 @@ class ControlLoop:
         for observer in self.observers:
             observer.observe(obs, d)
         if self.device is not None:
-            self.device.request(self._limit_request_w(d.power_limit_w, t_s), obs.ceiling_w)
+            self.device.request(*self._limit_request_w(d.power_limit_w, obs.ceiling_w, t_s))
         if self.sm_clock is not None:
             self.sm_clock.tick(obs, t_s, self._aligner.lag.lag_s)
         self._sample, self._latency, self._tick_error = host, latency, None
