@@ -137,4 +137,3 @@ def test_the_loop_asks_for_the_lower_of_its_limit_and_the_falling_shares() -> No
     assert request(297.0, 495.0) == (297.0, 297.0)  # bounded by the falling share's limit
     assert request(None, 495.0) == (495.0, 500.0)  # by the ceiling
     assert request(297.0, None) == (None, 297.0)  # observing: no limit at all
-

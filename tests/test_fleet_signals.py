@@ -7,6 +7,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from powerbatch.control import EngineLoad, QueueCounts
@@ -385,3 +386,46 @@ def test_work_that_wanders_within_its_noise_makes_no_member_needy() -> None:
     assert not sig().needy
     host.history = loop(t_s=11.0, in_flight=62, **kw).history
     assert sig().needy
+
+
+def test_a_held_member_whose_arrivals_jump_gives_nothing_and_is_needy() -> None:
+    """Held at its 204-W limit inside its SLOs, 14 requests in flight and 2 arriving a second
+    for 10 s after a burst of 40: it gives. Its next burst starts (10 a second): its work is
+    still under the demand it last bid (the last burst's high, held for seconds), so by its
+    work alone it went on giving 1-2 s into the burst while its prompts waited under the
+    lower limit (the bursts case, stop 44). Within one period its arrivals read as rising:
+    it gives nothing, and held, it is needy."""
+    model = LinearModel(150.0, 1.0)
+    kw: dict[str, Any] = {"queued": 0, "power_w": 203.0, "limit_w": 204.0, "model": model}
+    kw["ttft_p95_s"] = 0.3
+    host = Host(loop(in_flight=40, **kw), rps=2.0)
+    sig = LoopSignals(host.loop, host.counts)
+    sig()
+    host.loop.history = loop(in_flight=14, **kw).history
+    t = 10.0
+    for _ in range(20):
+        t += 0.5
+        host.advance(t)
+        bid = sig()
+    assert not bid.needy and bid.want_w == pytest.approx(203.0 * (1 - GIVE_FRAC))
+    host.rps = 10.0
+    host.advance(t + 0.5)
+    bid = sig()
+    assert bid.needy and bid.want_w == pytest.approx(DEVICE_MAX_W)
+
+
+def test_poisson_arrivals_at_a_steady_rate_seldom_read_as_rising() -> None:
+    """2 requests a second, Poisson, for 5 minutes of half-second periods: the test for rising
+    arrivals is 2 sd of the rate's own noise, so it fires on a few periods in a hundred, not
+    on every other one (a held member would then never give)."""
+    rng = np.random.default_rng(44)
+    model = LinearModel(150.0, 1.0)
+    host = Host(loop(in_flight=14, queued=0, power_w=203.0, limit_w=204.0, model=model), 0.0)
+    sig = LoopSignals(host.loop, host.counts)
+    fired, n = 0, 600
+    for k in range(n):
+        host.arrived += int(rng.poisson(2.0 * 0.5))
+        host.advance(10.0 + 0.5 * k)
+        sig()
+        fired += sig._arrivals_up()
+    assert fired / n < 0.05

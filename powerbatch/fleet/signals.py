@@ -8,15 +8,18 @@
 * needy: work waits (beyond `QUEUE_MIN` / `QUEUE_FRAC` of the batch), or its device limit
   holds it (or a little work waits) while its TTFT or time per token (below) is past
   `RISK_FRAC` of its SLO, or its device limit holds it while its work climbs past the demand
-  it last bid by more than 2 sd of a Poisson count: more watts would buy goodput (the last
-  says so seconds before a queue or a latency does: without it a new hot member turned needy
-  4 s after a move). A member held by its limit whose latency is measured well inside its
-  SLOs (both known and under `RISK_FRAC`) slows as a capped server does and loses nothing
-  by slowing a little more: it wants `GIVE_FRAC` less than it
-  draws, so its share steps down while its latency allows. One whose latency is not yet
+  it last bid by more than 2 sd of a Poisson count, or its arrivals rise (the rate over its
+  5-s average by 2 sd of the rate's noise): more watts would buy goodput (these say so
+  seconds before a queue or a latency does: without them a new hot member turned needy 4 s
+  after a move, and a member 1.7 s into its burst). A member held by its limit whose
+  latency is measured well inside its SLOs (both known and under `RISK_FRAC`) slows as a
+  capped server does and loses nothing by slowing a little more: it wants `GIVE_FRAC` less
+  than it draws, so its share steps down while its latency allows. One whose latency is not yet
   measured (too few answers in the window) gives nothing: it has not shown it can spare a
   watt. Nor does one whose work (in flight plus queued) is above the demand it last bid
-  (which holds its recent highs): its arrivals are outrunning it, and the window's p95s, timed
+  (which holds its recent highs), or whose arrivals rise: its arrivals are outrunning it, or
+  are about to (a burst's first second adds less work than the last burst left in the
+  demand bid: members gave at the start of a burst, stop 44), and the window's p95s, timed
   on requests as they end, show that a request's length later; a member that gave then bid its
   capped draw down while its batch grew (docs/fleet.md, stop 34). A held member that does not
   give bids the device's highest limit (want, above), so its fair floor is its whole split: a
@@ -64,6 +67,7 @@ GIVE_FRAC = 0.15  # a member held by its limit inside its SLOs wants this much l
 RISK_FRAC = 0.5  # p95 latency over this share of its SLO: the member has no time to give
 QUEUE_MIN, QUEUE_FRAC = 2, 0.25  # work waiting beyond this many, or this share of the batch
 RATE_HALF_LIFE_S = 1.0  # the arrival rate's: a rate that jumps is 75 % read within 2 s
+SLOW_RATE_HALF_LIFE_S = 5.0  # the rate it is judged against: arrivals rising outrun this
 
 
 class Latency(Enum):
@@ -84,6 +88,8 @@ class LoopSignals:
         self._demand: tuple[float, float] | None = None  # (t_s, demand as bid)
         self._arrived: tuple[float, int] | None = None  # (t_s, arrivals counted by then)
         self._rate = Ewma(RATE_HALF_LIFE_S)  # requests arriving per second
+        self._slow_rate = Ewma(SLOW_RATE_HALF_LIFE_S)
+        self._baseline: float | None = None  # the slow rate before the last count
 
     def __call__(self) -> MemberSignals:
         loop = self.loop
@@ -93,9 +99,10 @@ class LoopSignals:
         counts = self.counts() if self.counts else None
         by_class = dict(counts.queued) if counts else {"normal": rec.queued}
         rate = self._arrival_rate(rec.t_s, counts)
+        up = self._arrivals_up()
         work = float(rec.in_flight + rec.queued)
         before = None if self._demand is None else self._demand[1]  # the demand last bid
-        rising = before is not None and work > before
+        rising = (before is not None and work > before) or up
         demand = self._smoothed(rec.t_s, work)
         f = rec.features
         if f.batch >= 1:
@@ -119,7 +126,7 @@ class LoopSignals:
         # Held by its limit while its work climbs past its recent high by more than a Poisson
         # count's noise (2 sd): its arrivals outrun it, and the queue and the latencies that
         # would show it come seconds later (a hot spot's new member, stop 43).
-        surging = before is not None and work > before + 2.0 * math.sqrt(max(before, 1.0))
+        surging = up or (before is not None and work > before + 2.0 * math.sqrt(max(before, 1.0)))
         needy = (
             waiting
             or ((pinned or queued > 0) and latency is Latency.AT_RISK)
@@ -184,9 +191,25 @@ class LoopSignals:
             self._arrived = (t_s, n)
         elif t_s > self._arrived[0]:
             t0, n0 = self._arrived
-            self._rate.update(max(n - n0, 0) / (t_s - t0), t_s)
+            x = max(n - n0, 0) / (t_s - t0)
+            self._rate.update(x, t_s)
+            self._baseline = self._slow_rate.value  # the slow rate before this period's count
+            self._slow_rate.update(x, t_s)
             self._arrived = (t_s, n)
         return self._rate.value or 0.0
+
+    def _arrivals_up(self) -> bool:
+        """Arrivals rising: the rate above its slow average (before the last count) by more
+        than 2 sd of the rate's Poisson noise (an EWMA of counts with half-life h has variance
+        λ ln 2 / 2h; λ at least 1/s, so one request is no surge). The work in flight shows a
+        burst only once it passes the demand last bid, which holds the last burst's high for
+        seconds: a member gave watts 1-2 s into its next burst, and its prompts waited under
+        the lower limit (the bursts case, docs/fleet.md, stop 44)."""
+        fast, slow = self._rate.value, self._baseline
+        if fast is None or slow is None:
+            return False
+        sd = math.sqrt(max(slow, 1.0) * math.log(2.0) / (2.0 * RATE_HALF_LIFE_S))
+        return fast > slow + 2.0 * sd
 
     def _latency(self, counts: QueueCounts | None) -> Latency:
         """TTFT and time per token now against `RISK_FRAC` of their SLOs (module docstring):
