@@ -68,6 +68,18 @@ def test_small_moves_are_held_and_large_ones_made() -> None:
     assert hold_small_moves(targets, {}, band_w=45.0) == targets  # no grant yet: the target
 
 
+def test_a_small_cut_is_made_while_a_needy_member_waits_for_its_raise() -> None:
+    """Budget 980 W over four, split 245: a member lent out at 200 W turns needy at the start
+    of its burst while one holds 260 W, 15 W over its target of 245. Raises are paid only from
+    unheld watts, so holding that small cut held the needy raise to 230 W (the bursts case,
+    stop 44). A raise to a member that is not needy still leaves small cuts held."""
+    targets = {"lent": 245.0, "over": 245.0, "a": 245.0, "b": 245.0}
+    grants = {"lent": 200.0, "over": 260.0, "a": 245.0, "b": 245.0}
+    assert hold_small_moves(targets, grants, band_w=24.5, needy=["lent"]) == targets
+    assert hold_small_moves(targets, grants, band_w=24.5)["over"] == 260.0
+    assert hold_small_moves(targets, grants, band_w=24.5, needy=["a"])["over"] == 260.0
+
+
 def test_safe_shares_sum_within_budget_and_bad_settings_refused() -> None:
     s = FleetSettings(fleet_budget="b", fleet_budget_w=900.0, fleet_members=3)
     assert s.safe_share_w() == pytest.approx(300.0)

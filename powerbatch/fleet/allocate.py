@@ -14,7 +14,8 @@ while any member has work waiting.
 
 Water-filling (`water_fill`): member i's marginal value is m_i(w) = v_i (1 - w / W_i) below its
 want W_i; one price lambda gives w_i = clip(W_i (1 - lambda / v_i)), found by bisection. A move
-cuts the batch, so a grant within a dead band is kept (`hold_small_moves`).
+cuts the batch, so a grant within a dead band is kept while no needy member waits for a raise
+(`hold_small_moves`).
 """
 
 from __future__ import annotations
@@ -171,13 +172,21 @@ def allocate(bids: Mapping[str, Bid], budget_w: float) -> dict[str, float]:
 
 
 def hold_small_moves(
-    targets: Mapping[str, float], grants: Mapping[str, float], band_w: float
+    targets: Mapping[str, float],
+    grants: Mapping[str, float],
+    band_w: float,
+    needy: Iterable[str] = (),
 ) -> dict[str, float]:
     """The targets, except that a member whose target is under its grant by less than
-    `band_w` keeps its grant (a lower share cuts its batch). Raises are always made: a raise
-    held back would leave its watts in the pool, undrawn. Safe whatever it keeps: raises are
-    paid only from unheld watts (book.py)."""
+    `band_w` keeps its grant (a lower share cuts its batch), unless a `needy` member is being
+    raised: raises are paid only from unheld watts (book.py), so a small cut held back is a
+    needy member's raise held back (a member lent out held 200 W of its 245-W split 2.5 s
+    into its burst while one above its split kept 15 W, the bursts case, docs/fleet.md, stop
+    44). Raises are always made: a raise held back would leave its watts in the pool,
+    undrawn."""
     out = dict(targets)
+    if any(targets.get(k, 0.0) > grants.get(k, 0.0) + 1e-6 for k in needy):
+        return out
     for k, w in targets.items():
         g = grants.get(k)
         if g is not None and 0.0 < g - w < band_w:

@@ -401,7 +401,8 @@ class FleetMember:
             )
         targets = allocate(bids, max(budget, 0.0))
         band_w = DEAD_BAND_FRAC * self.lease.safe_w
-        return await self.book.allocate(hold_small_moves(targets, grants, band_w))
+        needy = [k for k, b in bids.items() if b.needy]
+        return await self.book.allocate(hold_small_moves(targets, grants, band_w, needy))
 
     async def renew(self) -> None:
         """Renew the lease on what this member may be drawing, and publish its bid."""
