@@ -61,6 +61,29 @@ def test_a_limit_that_does_not_come_or_a_meter_that_does_not_fall_ends_it() -> N
     assert low.show(0.1, 300.0, True, 500.0, meter(690.0, 693.0)) <= 500.0  # never over held
 
 
+def test_a_share_that_falls_again_gives_its_new_limit_its_own_grace() -> None:
+    """351 W, then 227 W (its limit takes), then 301 W, then 245 W 1.5 s after the first fall
+    while the meter reads 284 W under the 298-W limit in force: the limit for 245 W was just
+    asked for, so the ceiling stays over the meter until it holds. Timed from the first fall,
+    its grace had run out and the share was shown at once: a breach on a reading drawn under
+    the old limit, and the batch cut from 51 to 3 (the bursts case, stop 44)."""
+    low = Lowering()
+
+    def meter(power_w: float, limit_w: float) -> Meter:  # a 1-s mean, 2 s late
+        return Meter(power_w, limit_w, MARGIN, True, span_s=3.0)
+
+    low.show(0.0, 351.0, True, 351.0, meter(290.0, 347.0))
+    low.show(0.1, 227.0, True, 351.0, meter(290.0, 347.0))  # falls: its limit asked for
+    low.show(0.6, 227.0, True, 351.0, meter(286.0, 224.7))  # and in force
+    low.show(1.1, 301.0, True, 351.0, meter(286.0, 224.7))  # partly back
+    low.show(1.3, 301.0, True, 351.0, meter(286.0, 298.0))
+    shown = low.show(1.6, 245.0, True, 351.0, meter(284.0, 298.0))  # falls again
+    assert shown >= 284.0 and low.limit_w == pytest.approx(245.0 * (1 - MARGIN))
+    assert not low.limit_holds
+    # its own grace runs out without the limit: the share at once, as for a first fall
+    assert low.show(1.6 + LIMIT_SET_GRACE_S, 245.0, True, 351.0, meter(284.0, 298.0)) == 245.0
+
+
 def test_while_the_lower_limit_holds_the_ceiling_follows_a_lagging_meter_past_the_hold() -> None:
     """A 2-s-late meter still reads the 450 W drawn under the old 465-W share after the
     member's 354-W limit is in force and its renewal has brought what Redis holds down to the

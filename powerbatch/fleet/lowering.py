@@ -50,6 +50,8 @@ class Lowering:
         self.ceiling_w: float | None = None  # shown on the last tick
         self.since: float | None = None  # when the share fell below it
         self.from_w = 0.0  # the ceiling shown then: what the draw was under before the fall
+        self.asked_at = 0.0  # when the share last fell: the lower limit asked for then
+        self.share_w = 0.0  # the share on the last tick
         self.limit_w: float | None = None  # the limit to ask for this tick, or None
         self.limit_holds = False  # the lower limit is in force
 
@@ -64,13 +66,18 @@ class Lowering:
         going = self.since is not None or (prev is not None and share_w < prev - 1e-6)
         if live and prev is not None and m.power_w is not None and going:
             if self.since is None:
-                self.since, self.from_w = now, prev
-            age = now - self.since
+                self.since, self.from_w, self.asked_at = now, prev, now
+            elif share_w < self.share_w - 1e-6:  # a further fall asks for a lower limit: its
+                # own grace to be set, and its own reading wholly after it (a share that fell
+                # again 1.5 s into a fall was shown at once while the meter read the old one:
+                # a breach, and the batch cut from 51 to 3, the bursts case, stop 44)
+                self.asked_at = now
+            age, asked = now - self.since, now - self.asked_at
             want_limit = share_w * (1.0 - m.limit_margin_frac)
             holds = m.limit_w is not None and m.limit_w <= want_limit + LIMIT_TOLERANCE_W
-            waiting = m.limited and not holds and age >= LIMIT_SET_GRACE_S
+            waiting = m.limited and not holds and asked >= LIMIT_SET_GRACE_S
             over_w = m.power_w * (1.0 + FOLLOW_SLACK_FRAC)
-            keep = m.limited and not waiting and age < m.span_s  # the limit holds or is due
+            keep = m.limited and not waiting and asked < m.span_s  # the limit holds or is due
             if holds and (m.power_w > share_w or keep):  # the limit bounds the draw, so the
                 # meter shows what was drawn before it took (under the old ceiling): follow it
                 # until a reading after the fall reads the share, up as well as down, with no
@@ -82,7 +89,7 @@ class Lowering:
                 self.limit_w, self.limit_holds = want_limit, holds
         if out <= share_w + 1e-9 and not keep:
             out, self.since = share_w, None
-        self.ceiling_w = out
+        self.ceiling_w, self.share_w = out, share_w
         return out
 
     def reset(self) -> None:
