@@ -84,6 +84,26 @@ def test_a_share_that_falls_again_gives_its_new_limit_its_own_grace() -> None:
     assert low.show(1.6 + LIMIT_SET_GRACE_S, 245.0, True, 351.0, meter(284.0, 298.0)) == 245.0
 
 
+def test_while_the_lower_limit_is_due_the_ceiling_stays_at_the_limit_in_force() -> None:
+    """A member lent out at the start of its burst: 245 -> 200 W, the device's lowest limit,
+    the 243-W limit still in force and the meter at 229 W. Shown a ceiling under 243 W the
+    loop reads no limit over it, and its admission law cut the batch from 8 to 2 before the
+    new limit landed (the bursts case, stop 44); the limit in force bounds the draw and Redis
+    holds the old share, so the ceiling stays at that limit until the new one holds. The ask
+    under the device's lowest limit is set at that limit, which then holds."""
+    low = Lowering()
+
+    def meter(power_w: float, limit_w: float) -> Meter:
+        return Meter(power_w, limit_w, MARGIN, True, span_s=3.0, lowest_w=200.0)
+
+    low.show(0.0, 245.0, True, 245.0, meter(229.0, 242.6))
+    shown = low.show(0.2, 200.0, True, 245.0, meter(229.0, 242.6))
+    assert shown >= 242.6 - 0.5  # the loop's test for a limit holding its ceiling
+    assert low.show(0.4, 200.0, True, 245.0, meter(190.0, 242.6)) >= 242.6 - 0.5
+    low.show(0.6, 200.0, True, 245.0, meter(229.0, 200.0))  # the device's lowest: it holds
+    assert low.limit_holds
+
+
 def test_while_the_lower_limit_holds_the_ceiling_follows_a_lagging_meter_past_the_hold() -> None:
     """A 2-s-late meter still reads the 450 W drawn under the old 465-W share after the
     member's 354-W limit is in force and its renewal has brought what Redis holds down to the

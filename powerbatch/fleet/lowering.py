@@ -11,7 +11,9 @@ ceiling then follows the meter, up or down but never over the ceiling before the
 a reading wholly after the fall (`Meter.span_s`) reads the share: a lagging meter read against
 the share would be a breach, and cut the batch, and a low reading taken before the fall ended
 the lowering too soon on a meter 2 s late (docs/fleet.md, stop 36). Before the limit holds,
-the ceiling follows the meter down, never up, and once the meter reads the new share (after
+the ceiling follows the meter down, never up, and never under the limit still in force while
+the new one is due (a ceiling under the limit in force reads as no limit to the loop, whose
+admission law then cuts the batch; stop 44), and once the meter reads the new share (after
 that span, where a limit is due), or after `MAX_S`, the share itself is the ceiling. Without a
 device limit the ceiling follows the meter down the same way, and admission steps the batch
 down rather than cutting it.
@@ -41,6 +43,7 @@ class Meter:
     limit_margin_frac: float = 0.0  # the loop sets the limit this share under its ceiling
     limited: bool = False  # a limiter controls the device (its limit may be in flight)
     span_s: float = 0.0  # how far back a reading reaches (the loop's `reading_span_s`)
+    lowest_w: float = 0.0  # the lowest limit the device accepts (a lower ask is set at this)
 
 
 class Lowering:
@@ -74,7 +77,9 @@ class Lowering:
                 self.asked_at = now
             age, asked = now - self.since, now - self.asked_at
             want_limit = share_w * (1.0 - m.limit_margin_frac)
-            holds = m.limit_w is not None and m.limit_w <= want_limit + LIMIT_TOLERANCE_W
+            holds = m.limit_w is not None and m.limit_w <= max(want_limit, m.lowest_w) + (
+                LIMIT_TOLERANCE_W
+            )
             waiting = m.limited and not holds and asked >= LIMIT_SET_GRACE_S
             over_w = m.power_w * (1.0 + FOLLOW_SLACK_FRAC)
             keep = m.limited and not waiting and asked < m.span_s  # the limit holds or is due
@@ -85,6 +90,12 @@ class Lowering:
                 out = max(share_w, min(self.from_w, over_w))
             elif age < MAX_S and not waiting and m.power_w > share_w:
                 out = max(share_w, min(prev, held_w, over_w))
+            if m.limited and not holds and not waiting and m.limit_w is not None:
+                # the lower limit is due: the one in force still bounds the draw, and Redis
+                # holds the old share for it; under a ceiling below it the loop reads no
+                # limit and its admission law cuts the batch the new limit was about to hold
+                # (a member lent out cut its batch from 8 to 2 as its burst began, stop 44)
+                out = max(out, min(m.limit_w, prev, held_w))
             if m.limited:
                 self.limit_w, self.limit_holds = want_limit, holds
         if out <= share_w + 1e-9 and not keep:

@@ -237,10 +237,11 @@ class LoopSignals:
         loop = self.loop
         rec = loop.history[-1] if loop.history else None
         margin = loop.controller.config.gains.limit_margin_frac
-        limited = loop.device_limit_bounds_w() is not None
+        bounds = loop.device_limit_bounds_w()
+        limited, lowest = bounds is not None, bounds[0] if bounds is not None else 0.0
         if rec is None:
-            return Meter(limit_margin_frac=margin, limited=limited)
-        return Meter(rec.power_w, rec.power_limit_w, margin, limited, loop.reading_span_s)
+            return Meter(limit_margin_frac=margin, limited=limited, lowest_w=lowest)
+        return Meter(rec.power_w, rec.power_limit_w, margin, limited, loop.reading_span_s, lowest)
 
     def _smoothed(self, t_s: float, demand: float) -> float:
         """The demand as bid: a rise at once, a fall with time constant `DEMAND_TAU_S`."""
