@@ -550,11 +550,14 @@ def test_actuator_dead_band_and_pacing(tmp_path: Path) -> None:
 
     async def script(a: LimitActuator, clock: Clock) -> None:
         assert await a.apply(1000.0) == 1000.0  # first: unknown in force, applied
-        assert a.decide(1008.0, clock()) == "dead_band"
-        assert await a.apply(992.0) == 1000.0 and len(fake.sets) == 1
+        assert a.decide(1008.0, clock()) == "dead_band"  # a raise within the band
+        assert a.decide(1008.0, clock(), paced=False) == "apply"  # granted watts: however few
+        assert await a.apply(1000.3) == 1000.0 and len(fake.sets) == 1  # the same total
+        # a cut however small: a limit left over a fleet share that fell is no limit under it
+        assert await a.apply(992.0) == 992.0 and len(fake.sets) == 2
         clock.t_s += 1.0
         assert a.decide(1100.0, clock()) == "too_soon"  # a raise waits min_interval_s
-        assert await a.apply(1100.0) == 1000.0 and len(fake.sets) == 1
+        assert await a.apply(1100.0) == 992.0 and len(fake.sets) == 2
         assert await a.apply(800.0) == 800.0  # a cut goes at once
         clock.t_s += 1.5
         assert await a.apply(1100.0) == 800.0  # 1.5 s after the cut: still too soon
@@ -564,11 +567,11 @@ def test_actuator_dead_band_and_pacing(tmp_path: Path) -> None:
         clock.t_s += 2.0
         assert await a.apply(99_999.0) == 1400.0
         assert a.decide(99_999.0, clock.t_s + 10) == "dead_band"  # already at the max
-        assert a.changes_total == 4 and a.limiter.changes_total == 4
+        assert a.changes_total == 5 and a.limiter.changes_total == 5
         assert not a.degraded
 
     actuator_run(fake, tmp_path, script, dead_band_w=10.0, min_interval_s=2.0)
-    assert [mw for _, mw in fake.sets] == [500_000, 400_000, 550_000, 700_000]
+    assert [mw for _, mw in fake.sets] == [500_000, 496_000, 400_000, 550_000, 700_000]
 
 
 @pytest.mark.parametrize(

@@ -428,13 +428,18 @@ class NoLimiter:
         return None
 
 
+SAME_W = 0.5  # a request this close to the total in force is that total
+
+
 class LimitActuator(PacedActuator[PowerLimiter]):
     """Applies the controller's requested total limit at a safe pace; never raises on failure.
 
-    A request is applied when it differs from the total in force by more than `dead_band_w`;
-    raises wait `min_interval_s` after the last change, cuts go through at once (safety first).
-    A raise the caller marks unpaced (a fleet share that rose: the watts are granted) goes at
-    once too.
+    A cut goes through at once, however small (safety first: a limit left a few watts over a
+    fleet share that fell is no limit under that share, and the loop's admission law then
+    cut the batch; docs/fleet.md, stop 44). A raise is applied when it is more than
+    `dead_band_w` over the total in force, `min_interval_s` after the last change; one the
+    caller marks unpaced (a fleet share that rose: the watts are granted) goes at once, however
+    small.
     A failure or timeout (of `start()` too) sets `degraded` with a reason, forgets the total in
     force (a half-applied change is unknown), and retries after a backoff that doubles from
     `backoff_initial_s` to `backoff_max_s`; the first success clears it. While degraded the
@@ -484,10 +489,12 @@ class LimitActuator(PacedActuator[PowerLimiter]):
         if self.in_force_w is None:
             return "apply"
         delta_w = self._target_w(requested_w) - self.in_force_w
-        if abs(delta_w) <= self.dead_band_w:
+        if abs(delta_w) <= SAME_W:
             return "dead_band"
-        if delta_w < 0 or not paced:
+        if delta_w < 0 or not paced:  # a ceiling that fell, or watts granted: however small
             return "apply"
+        if delta_w <= self.dead_band_w:
+            return "dead_band"
         return self._paced(now_s)
 
     def _target_w(self, requested_w: float) -> float:

@@ -116,7 +116,8 @@ class LimiterSettings:
     )
     limit_dead_band_w: float = setting(
         10.0,
-        "a requested total limit within this of the one in force is not applied, watts",
+        "a raise of the total limit within this of the one in force is not applied (cuts,"
+        " and a fleet share that rose, are, however small), watts",
         ge=0,
     )
     limit_min_interval_s: float = setting(
