@@ -183,6 +183,7 @@ async def _poll(
                     "t_s": time.monotonic() - t0,
                     "member": i,
                     "share_w": fleet.get("share_w", doc["power"]["ceiling_w"]),
+                    "ceiling_w": doc["power"]["ceiling_w"],  # shown to the loop (a share falls)
                     "state": fleet.get("state"),
                     "leader": fleet.get("leader"),
                     "power_w": doc["power"]["measured_w"],
