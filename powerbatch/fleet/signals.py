@@ -123,9 +123,10 @@ class LoopSignals:
         queued = sum(by_class.values())
         waiting = queued > max(QUEUE_MIN, QUEUE_FRAC * rec.in_flight)
         latency = self._latency(counts)
-        # Held by its limit while its work climbs past its recent high by more than a Poisson
-        # count's noise (2 sd): its arrivals outrun it, and the queue and the latencies that
-        # would show it come seconds later (a hot spot's new member, stop 43).
+        # Held by its limit while its arrivals rise, or its work climbs past its recent high by
+        # more than a Poisson count's noise (2 sd): its arrivals outrun it, and the queue and
+        # the latencies that would show it come seconds later (a hot spot's new member, stop
+        # 43; a burst's, stop 44).
         surging = up or (before is not None and work > before + 2.0 * math.sqrt(max(before, 1.0)))
         needy = (
             waiting
