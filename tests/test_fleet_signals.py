@@ -22,6 +22,8 @@ from powerbatch.fleet.signals import (
     GIVE_FRAC,
     HEADROOM_FRAC,
     RATE_HALF_LIFE_S,
+    RISE_SD,
+    SURGE_SD,
     LoopSignals,
 )
 
@@ -389,15 +391,16 @@ def test_work_that_wanders_within_its_noise_makes_no_member_needy() -> None:
 
 
 def test_a_held_member_whose_arrivals_jump_gives_nothing_and_is_needy() -> None:
-    """Held at its 204-W limit inside its SLOs, 14 requests in flight and 2 arriving a second
-    for 10 s after a burst of 40: it gives. Its next burst starts (10 a second): its work is
-    still under the demand it last bid (the last burst's high, held for seconds), so by its
-    work alone it went on giving 1-2 s into the burst while its prompts waited under the
-    lower limit (the bursts case, stop 44). Within one period its arrivals read as rising:
-    it gives nothing, and held, it is needy."""
+    """Held at its 204-W limit (a 206-W share) inside its SLOs, 14 requests in flight and 2
+    arriving a second for 10 s after a burst of 40: it gives. Its next burst starts (10 a
+    second): its work is still under the demand it last bid (the last burst's high, held for
+    seconds), so by its work alone it went on giving 1-2 s into the burst while its prompts
+    waited under the lower limit (the bursts case, stop 44). Within one period its arrivals
+    read as rising (2 sd): it gives nothing and keeps its share; within two they surge (3 sd):
+    held, it is needy."""
     model = LinearModel(150.0, 1.0)
     kw: dict[str, Any] = {"queued": 0, "power_w": 203.0, "limit_w": 204.0, "model": model}
-    kw["ttft_p95_s"] = 0.3
+    kw.update(ttft_p95_s=0.3, ceiling_w=206.0)
     host = Host(loop(in_flight=40, **kw), rps=2.0)
     sig = LoopSignals(host.loop, host.counts)
     sig()
@@ -411,21 +414,46 @@ def test_a_held_member_whose_arrivals_jump_gives_nothing_and_is_needy() -> None:
     host.rps = 10.0
     host.advance(t + 0.5)
     bid = sig()
+    assert not bid.needy and bid.want_w == pytest.approx(206.0)
+    host.advance(t + 1.0)
+    bid = sig()
     assert bid.needy and bid.want_w == pytest.approx(DEVICE_MAX_W)
 
 
+def test_a_cold_member_whose_arrivals_wander_up_keeps_its_share_and_no_more() -> None:
+    """A cold member held at its device's lowest limit (200 W) inside its SLOs, 1 request a
+    second, then 3 in one half-second: a 2-sd rise, not a 3-sd surge. It gives nothing and keeps
+    its share; bidding the device's most, cold members whose arrivals wandered up took their
+    split back from the hot one as a hot spot moved (the issue's fleet, stop 44)."""
+    model = LinearModel(150.0, 1.0)
+    kw: dict[str, Any] = {"queued": 0, "power_w": 200.0, "limit_w": 200.0, "model": model}
+    kw.update(ttft_p95_s=0.3, ceiling_w=202.0)
+    host = Host(loop(in_flight=6, **kw), rps=1.0)
+    sig = LoopSignals(host.loop, host.counts)
+    t = 10.0
+    for _ in range(40):
+        t += 0.5
+        host.advance(t)
+        sig()
+    host.rps = 6.0
+    host.advance(t + 0.5)
+    bid = sig()
+    assert not bid.needy and bid.want_w == pytest.approx(202.0)
+
+
 def test_poisson_arrivals_at_a_steady_rate_seldom_read_as_rising() -> None:
-    """2 requests a second, Poisson, for 5 minutes of half-second periods: the test for rising
-    arrivals is 2 sd of the rate's own noise, so it fires on a few periods in a hundred, not
-    on every other one (a held member would then never give)."""
+    """2 requests a second, Poisson, for 5 minutes of half-second periods: the rise (2 sd) fires
+    on a few periods in a hundred, not on every other one (a held member would then never
+    give); the surge (3 sd), which makes a held member needy, on fewer than one in a hundred."""
     rng = np.random.default_rng(44)
     model = LinearModel(150.0, 1.0)
     host = Host(loop(in_flight=14, queued=0, power_w=203.0, limit_w=204.0, model=model), 0.0)
     sig = LoopSignals(host.loop, host.counts)
-    fired, n = 0, 600
+    rises, surges, n = 0, 0, 600
     for k in range(n):
         host.arrived += int(rng.poisson(2.0 * 0.5))
         host.advance(10.0 + 0.5 * k)
         sig()
-        fired += sig._arrivals_up()
-    assert fired / n < 0.05
+        rises += sig._arrivals_up(RISE_SD)
+        surges += sig._arrivals_up(SURGE_SD)
+    assert rises / n < 0.05 and surges / n < 0.01

@@ -8,8 +8,8 @@
 * needy: work waits (beyond `QUEUE_MIN` / `QUEUE_FRAC` of the batch), or its device limit
   holds it (or a little work waits) while its TTFT or time per token (below) is past
   `RISK_FRAC` of its SLO, or its device limit holds it while its work climbs past the demand
-  it last bid by more than 2 sd of a Poisson count, or its arrivals rise (the rate over its
-  5-s average by 2 sd of the rate's noise): more watts would buy goodput (these say so
+  it last bid by more than 2 sd of a Poisson count, or its arrivals surge (the rate over its
+  5-s average by 3 sd of the rate's noise): more watts would buy goodput (these say so
   seconds before a queue or a latency does: without them a new hot member turned needy 4 s
   after a move, and a member 1.7 s into its burst). A member held by its limit whose
   latency is measured well inside its SLOs (both known and under `RISK_FRAC`) slows as a
@@ -17,7 +17,8 @@
   than it draws, so its share steps down while its latency allows. One whose latency is not yet
   measured (too few answers in the window) gives nothing: it has not shown it can spare a
   watt. Nor does one whose work (in flight plus queued) is above the demand it last bid
-  (which holds its recent highs), or whose arrivals rise: its arrivals are outrunning it, or
+  (which holds its recent highs), or whose arrivals rise (by 2 sd; it keeps the share it
+  has): its arrivals are outrunning it, or
   are about to (a burst's first second adds less work than the last burst left in the
   demand bid: members gave at the start of a burst, stop 44), and the window's p95s, timed
   on requests as they end, show that a request's length later; a member that gave then bid its
@@ -68,6 +69,9 @@ RISK_FRAC = 0.5  # p95 latency over this share of its SLO: the member has no tim
 QUEUE_MIN, QUEUE_FRAC = 2, 0.25  # work waiting beyond this many, or this share of the batch
 RATE_HALF_LIFE_S = 1.0  # the arrival rate's: a rate that jumps is 75 % read within 2 s
 SLOW_RATE_HALF_LIFE_S = 5.0  # the rate it is judged against: arrivals rising outrun this
+RISE_SD = 2.0  # arrivals this many sd over it stop a give (a false alarm costs one period's give)
+SURGE_SD = 3.0  # and this many make a held member needy (a 2-sd alarm at a steady 2/s fires
+# every 25 s or so, one at 3 sd every few minutes: tests/test_fleet_signals.py)
 
 
 class Latency(Enum):
@@ -99,10 +103,11 @@ class LoopSignals:
         counts = self.counts() if self.counts else None
         by_class = dict(counts.queued) if counts else {"normal": rec.queued}
         rate = self._arrival_rate(rec.t_s, counts)
-        up = self._arrivals_up()
+        up, surge = self._arrivals_up(RISE_SD), self._arrivals_up(SURGE_SD)
         work = float(rec.in_flight + rec.queued)
         before = None if self._demand is None else self._demand[1]  # the demand last bid
-        rising = (before is not None and work > before) or up
+        work_rising = before is not None and work > before
+        rising = work_rising or up
         demand = self._smoothed(rec.t_s, work)
         f = rec.features
         if f.batch >= 1:
@@ -123,11 +128,13 @@ class LoopSignals:
         queued = sum(by_class.values())
         waiting = queued > max(QUEUE_MIN, QUEUE_FRAC * rec.in_flight)
         latency = self._latency(counts)
-        # Held by its limit while its arrivals rise, or its work climbs past its recent high by
-        # more than a Poisson count's noise (2 sd): its arrivals outrun it, and the queue and
-        # the latencies that would show it come seconds later (a hot spot's new member, stop
-        # 43; a burst's, stop 44).
-        surging = up or (before is not None and work > before + 2.0 * math.sqrt(max(before, 1.0)))
+        # Held by its limit while its arrivals surge, or its work climbs past its recent high
+        # by more than a Poisson count's noise (2 sd): its arrivals outrun it, and the queue
+        # and the latencies that would show it come seconds later (a hot spot's new member,
+        # stop 43; a burst's, stop 44).
+        surging = surge or (
+            before is not None and work > before + 2.0 * math.sqrt(max(before, 1.0))
+        )
         needy = (
             waiting
             or ((pinned or queued > 0) and latency is Latency.AT_RISK)
@@ -138,6 +145,11 @@ class LoopSignals:
         elif pinned and latency is Latency.INSIDE and not rising:  # held, measured inside, and
             # its work not above the demand it last bid: it can give
             want = power_w * (1.0 - GIVE_FRAC)
+        elif pinned and latency is Latency.INSIDE and not work_rising:  # held and inside, its
+            # arrivals up but not yet its work: it gives nothing and keeps the share it has
+            # (bidding the device's most, a cold member whose arrivals wandered up took its
+            # split back from the hot one, stop 44)
+            want = max(want, self._ceiling_w())
         elif pinned and bounds:  # held, and not shown it can spare a watt: its capped draw
             # says nothing of its demand, so it bids as a held member at risk does
             want = max(want, bounds[1])
@@ -199,18 +211,18 @@ class LoopSignals:
             self._arrived = (t_s, n)
         return self._rate.value or 0.0
 
-    def _arrivals_up(self) -> bool:
+    def _arrivals_up(self, sd_multiple: float) -> bool:
         """Arrivals rising: the rate above its slow average (before the last count) by more
-        than 2 sd of the rate's Poisson noise (an EWMA of counts with half-life h has variance
-        λ ln 2 / 2h; λ at least 1/s, so one request is no surge). The work in flight shows a
-        burst only once it passes the demand last bid, which holds the last burst's high for
-        seconds: a member gave watts 1-2 s into its next burst, and its prompts waited under
-        the lower limit (the bursts case, docs/fleet.md, stop 44)."""
+        than `sd_multiple` sd of the rate's Poisson noise (an EWMA of counts with half-life h
+        has variance λ ln 2 / 2h; λ at least 1/s, so one request is no surge). The work in
+        flight shows a burst only once it passes the demand last bid, which holds the last
+        burst's high for seconds: a member gave watts 1-2 s into its next burst, and its
+        prompts waited under the lower limit (the bursts case, docs/fleet.md, stop 44)."""
         fast, slow = self._rate.value, self._baseline
         if fast is None or slow is None:
             return False
         sd = math.sqrt(max(slow, 1.0) * math.log(2.0) / (2.0 * RATE_HALF_LIFE_S))
-        return fast > slow + 2.0 * sd
+        return fast > slow + sd_multiple * sd
 
     def _latency(self, counts: QueueCounts | None) -> Latency:
         """TTFT and time per token now against `RISK_FRAC` of their SLOs (module docstring):
