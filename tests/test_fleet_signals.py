@@ -422,9 +422,10 @@ def test_a_held_member_whose_arrivals_jump_gives_nothing_and_is_needy() -> None:
 
 def test_a_cold_member_whose_arrivals_wander_up_keeps_its_share_and_no_more() -> None:
     """A cold member held at its device's lowest limit (200 W) inside its SLOs, 1 request a
-    second, then 3 in one half-second: a 2-sd rise, not a 3-sd surge. It gives nothing and keeps
-    its share; bidding the device's most, cold members whose arrivals wandered up took their
-    split back from the hot one as a hot spot moved (the issue's fleet, stop 44)."""
+    second, then 3 in one half-second: a 2-sd rise, not a 3-sd surge; then its work wanders
+    from 6 to 9. It gives nothing and keeps its share; bidding the device's most, cold members
+    whose work wandered up took their splits back from the hot one as a hot spot moved (the
+    issue's fleet, stop 44)."""
     model = LinearModel(150.0, 1.0)
     kw: dict[str, Any] = {"queued": 0, "power_w": 200.0, "limit_w": 200.0, "model": model}
     kw.update(ttft_p95_s=0.3, ceiling_w=202.0)
@@ -437,6 +438,11 @@ def test_a_cold_member_whose_arrivals_wander_up_keeps_its_share_and_no_more() ->
         sig()
     host.rps = 6.0
     host.advance(t + 0.5)
+    bid = sig()
+    assert not bid.needy and bid.want_w == pytest.approx(202.0)
+    host.rps = 1.0  # and its work wanders up, 6 to 9 in flight: within 2 sd of its high
+    host.loop.history = loop(in_flight=9, **kw).history
+    host.advance(t + 1.0)
     bid = sig()
     assert not bid.needy and bid.want_w == pytest.approx(202.0)
 

@@ -22,9 +22,11 @@
   are about to (a burst's first second adds less work than the last burst left in the
   demand bid: members gave at the start of a burst, stop 44), and the window's p95s, timed
   on requests as they end, show that a request's length later; a member that gave then bid its
-  capped draw down while its batch grew (docs/fleet.md, stop 34). A held member that does not
-  give bids the device's highest limit (want, above), so its fair floor is its whole split: a
-  member lent out under its split that bid its capped draw plus headroom climbed back only
+  capped draw down while its batch grew (docs/fleet.md, stop 34). Such a member, measured
+  inside, keeps the share it has (bidding the device's most, cold members whose work wandered
+  up took their splits back from a hot one, stop 44); a held member not measured inside bids
+  the device's highest limit (want, above), so its fair floor is its whole split: a member
+  lent out under its split that bid its capped draw plus headroom climbed back only
   `HEADROOM_FRAC` a period (stop 36). A member its limit does not hold whose work waits or is
   at a new high wants at least the share it has: its model under-reads, a share that fell on
   it came back a period later, and a lagging meter reads a lighter load's draw (stop 43). Any
@@ -145,10 +147,10 @@ class LoopSignals:
         elif pinned and latency is Latency.INSIDE and not rising:  # held, measured inside, and
             # its work not above the demand it last bid: it can give
             want = power_w * (1.0 - GIVE_FRAC)
-        elif pinned and latency is Latency.INSIDE and not work_rising:  # held and inside, its
-            # arrivals up but not yet its work: it gives nothing and keeps the share it has
-            # (bidding the device's most, a cold member whose arrivals wandered up took its
-            # split back from the hot one, stop 44)
+        elif pinned and latency is Latency.INSIDE:  # held and inside, its work or arrivals up
+            # (not surging): it gives nothing and keeps the share it has; bidding the device's
+            # most, cold members whose work wandered up took their splits back from the hot
+            # one as a hot spot moved (the fleet, stop 44)
             want = max(want, self._ceiling_w())
         elif pinned and bounds:  # held, and not shown it can spare a watt: its capped draw
             # says nothing of its demand, so it bids as a held member at risk does
