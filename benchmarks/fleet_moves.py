@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 PERIOD_S = 15.0
 THRESHOLDS_W = (400.0, 500.0)
 
 
-def lines(results: dict) -> list[str]:
+def lines(results: dict[str, Any]) -> list[str]:
     out = []
     for run in results["fleet"]["runs"]:
         rows, moves = run["status_rows"], []
