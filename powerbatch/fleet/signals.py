@@ -14,23 +14,23 @@
   after a move, and a member 1.7 s into its burst). A member held by its limit whose
   latency is measured well inside its SLOs (both known and under `RISK_FRAC`) slows as a
   capped server does and loses nothing by slowing a little more: it wants `GIVE_FRAC` less
-  than it draws, so its share steps down while its latency allows. One whose latency is not yet
-  measured (too few answers in the window) gives nothing: it has not shown it can spare a
+  than it draws, so its share steps down while its latency allows. One whose latency is not
+  yet measured (too few answers in the window) gives nothing: it has not shown it can spare a
   watt. Nor does one whose work (in flight plus queued) is above the demand it last bid
-  (which holds its recent highs), or whose arrivals rise (by 2 sd; it keeps the share it
-  has): its arrivals are outrunning it, or
-  are about to (a burst's first second adds less work than the last burst left in the
-  demand bid: members gave at the start of a burst, stop 44), and the window's p95s, timed
-  on requests as they end, show that a request's length later; a member that gave then bid its
-  capped draw down while its batch grew (docs/fleet.md, stop 34). Such a member, measured
-  inside, keeps the share it has (bidding the device's most, cold members whose work wandered
-  up took their splits back from a hot one, stop 44); a held member not measured inside bids
-  the device's highest limit (want, above), so its fair floor is its whole split: a member
-  lent out under its split that bid its capped draw plus headroom climbed back only
-  `HEADROOM_FRAC` a period (stop 36). A member its limit does not hold whose work waits or is
-  at a new high wants at least the share it has: its model under-reads, a share that fell on
-  it came back a period later, and a lagging meter reads a lighter load's draw (stop 43). Any
-  other member wants what it draws (or its model's demand, if more) plus `HEADROOM_FRAC`;
+  (which holds its recent highs), or whose arrivals rise (by 2 sd): its arrivals are
+  outrunning it, or are about to (a burst's first second adds less work than the last burst
+  left in the demand bid: members gave at the start of a burst, stop 44), and the window's
+  p95s, timed on requests as they end, show that a request's length later; a member that
+  gave then bid its capped draw down while its batch grew (docs/fleet.md, stop 34). Such a
+  member, measured inside, keeps the share it has (bidding the device's most, cold members
+  whose work wandered up took their splits back from a hot one, stop 44); a held member not
+  measured inside bids the device's highest limit (want, above), so its fair floor is its
+  whole split: a member lent out under its split that bid its capped draw plus headroom
+  climbed back only `HEADROOM_FRAC` a period (stop 36). A member its limit does not hold
+  whose work waits or is at a new high wants at least the share it has: its model
+  under-reads, a share that fell on it came back a period later, and a lagging meter reads a
+  lighter load's draw (stop 43). Any other member wants what it draws (or its model's
+  demand, if more) plus `HEADROOM_FRAC`;
 * value_per_w = 2 λ / W, λ the requests arriving per second (`RATE_HALF_LIFE_S`): the modelled
   goodput at W is λ, what it could answer in time. Not D: a backlog is late work, and Little's
   law (D = λ T) counts it the more the longer it waits, so a member a hot spot had just left
