@@ -107,9 +107,13 @@ def test_work_the_engine_cannot_start_waits_in_the_proxy_where_a_stream_goes_fir
 ) -> None:
     """An engine that runs two requests at a time, a backlog of batch-class work, then a few
     interactive streams: the streams' first tokens come after a buffer's worth of the backlog,
-    not after all of it (the engine's own queue is first come, first served)."""
+    not after all of it (the engine's own queue is first come, first served).
 
-    async def main() -> tuple[list[int], int]:
+    The buffer follows the start rate the proxy measures, which a busy machine's late scrapes
+    can inflate; so the check is on what was held when the streams came: they go ahead of all
+    of it, and it is a good part of the backlog."""
+
+    async def main() -> tuple[list[int], int, int]:
         sim = await start_sim_server(SimEngine(seed=5, max_num_seqs=2), stream_interval_tokens=1)
         settings = load(
             SERVE,
@@ -155,12 +159,13 @@ def test_work_the_engine_cannot_start_waits_in_the_proxy_where_a_stream_goes_fir
                         return before
 
                 lows = []
-                for _ in range(LOWS):  # a backlog that builds for 2.4 s, seen by two scrapes
+                for _ in range(LOWS):  # a backlog that builds for 3.2 s, seen by three scrapes
                     lows.append(asyncio.create_task(low()))
                     await asyncio.sleep(0.08)
+                held = gov.queue.queued  # what waits in the proxy as the streams come
                 before = await asyncio.gather(*(high() for _ in range(3)))
                 await asyncio.gather(*lows)
-            return before, gov.queue.in_flight
+            return before, held, gov.queue.in_flight
         finally:
             await runner.cleanup()
             await gov.monitor.source.close()  # `powerbatch serve` closes these on exit
@@ -168,15 +173,18 @@ def test_work_the_engine_cannot_start_waits_in_the_proxy_where_a_stream_goes_fir
                 await gov.scraper.close()
             await sim.close()
 
-    before, in_flight = run(main())
+    before, held, in_flight = run(main())
     assert in_flight == 0
-    if law:  # about half the backlog was sent on; the streams went ahead of the rest
-        assert max(before) <= 20, before
+    if law:  # a good part of the backlog waited here, and the streams went ahead of all of it
+        assert held >= 5, held
+        # (+2: a low or two that finish between the count and the streams' arrival)
+        assert max(before) <= LOWS - held + 2, (before, held)
     else:  # the engine's own queue: all but the last of the backlog finish first
+        assert held == 0
         assert min(before) >= LOWS - 3, before
 
 
-LOWS = 30
+LOWS = 40
 
 
 def test_the_engines_time_per_token_reaches_status_from_its_scraped_histogram() -> None:
