@@ -11,11 +11,12 @@ from conftest import run, serve
 
 from powerbatch.cli.serve import build
 from powerbatch.cli.settings import SERVE
-from powerbatch.proxy.engine_queue import MISSES_KEPT, EngineQueue
+from powerbatch.proxy.engine_queue import GENERATED_KEPT_S, MISSES_KEPT, EngineQueue
 from powerbatch.settings import load
 from powerbatch.sim import SimEngine
 from powerbatch.sim.server import start_sim_server
 from powerbatch.telemetry import UpstreamSignals
+from powerbatch.telemetry.prometheus import UpstreamMetricsScraper
 
 
 def signals(t_s: float, running: float, waiting: float, started: float | None) -> UpstreamSignals:
@@ -230,3 +231,47 @@ def test_the_engines_time_per_token_reaches_status_from_its_scraped_histogram() 
     token_s, engine_mean_s = run(main())
     assert token_s is not None
     assert token_s == pytest.approx(engine_mean_s, rel=0.5)
+
+
+def test_the_engines_generated_tokens_are_kept_a_few_seconds_and_begin_again_on_a_restart() -> None:
+    q = EngineQueue()
+
+    def scrape(t_s: float, generated: float | None) -> None:
+        up = UpstreamSignals(
+            4, 0, 0.5, t_s, requests_started_total=t_s, generation_tokens_total=generated
+        )
+        q.update(up, admitted=4, in_flight=4)
+
+    for t in range(15):
+        scrape(float(t), 1000.0 + 300.0 * t)
+    assert q.load is not None
+    assert q.load.generated[0] == (
+        float(14 - GENERATED_KEPT_S),
+        1000.0 + 300.0 * (14 - GENERATED_KEPT_S),
+    )
+    assert q.load.generated[-1] == (14.0, 1000.0 + 300.0 * 14)
+    scrape(15.0, 20.0)  # the engine restarted: its counter begins again
+    assert q.load is not None and q.load.generated == ((15.0, 20.0),)
+    scrape(16.0, None)  # an engine that does not export it
+    assert q.load is not None and q.load.generated == ()
+
+
+def test_the_sims_generated_tokens_reach_the_engine_load_through_a_scrape() -> None:
+    async def main() -> tuple[float, ...]:
+        engine = SimEngine(seed=3)
+        sim = await start_sim_server(engine)
+        scraper = UpstreamMetricsScraper(sim.url + "/metrics")
+        try:
+            before = (await scraper.scrape()).generation_tokens_total
+            engine.add_request(50, 40)
+            while engine.step() is not None:
+                pass
+            after = (await scraper.scrape()).generation_tokens_total
+            assert before is not None and after is not None
+            return before, after, float(engine.generation_tokens_total)
+        finally:
+            await scraper.close()
+            await sim.close()
+
+    before, after, total = run(main())
+    assert after - before == 40 and after == total

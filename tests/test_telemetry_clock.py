@@ -371,3 +371,47 @@ def test_no_lock_without_a_writable_state_file(tmp_path: Path) -> None:
     lock, locks, status = with_sim(body)
     assert lock is None and locks == [None] * 4
     assert status["degraded"] and "state file" in status["degraded_reason"]
+
+
+def test_counter_rate_is_interpolated_between_scrapes_and_cut_at_the_last() -> None:
+    from powerbatch.control.window import counter_rate
+
+    scrapes = [(0.0, 0.0), (1.0, 100.0), (2.0, 500.0), (3.0, 600.0)]
+    assert counter_rate(scrapes, 1.0, 2.0) == pytest.approx(400.0)
+    assert counter_rate(scrapes, 0.5, 1.5) == pytest.approx(250.0)  # half of each second
+    assert counter_rate(scrapes, 2.4, 3.4) == pytest.approx(100.0)  # cut at the last scrape
+    assert counter_rate(scrapes, 2.8, 3.8) == pytest.approx(100.0)  # mostly unknown: last rate
+    assert counter_rate(scrapes[:1], 0.0, 1.0) is None
+    assert counter_rate(scrapes, 2.0, 2.0) is None
+
+
+def test_the_clock_law_prices_a_reading_with_the_engines_tokens_of_its_second() -> None:
+    """Answers not streamed reach the proxy's count at their end: the second a reading
+    measured can show none of the 2,000 tokens/s the engine generated in it. The law gets the
+    engine's counter over that second (the meter's lag back), a held reading the same."""
+    from powerbatch.control.types import EngineLoad, Observation
+    from powerbatch.estimate import Features
+
+    dev = DeviceClock(
+        ClockActuator(FlakyClock()),
+        ClockPolicy(clock_objective="energy"),
+        ControlConfig(ceiling_w=600.0),
+        CollectorRegistry(),
+    )
+    # 1,000 tokens/s until 8 s, then 3,000 tokens/s.
+    scrapes = tuple((float(t), 1000.0 * t + 2000.0 * max(0, t - 8)) for t in range(11))
+    engine = EngineLoad(0.0, 8, 2.0, 10.0, generated=scrapes)
+    proxy = Features(8, 1000, 0, 0)  # the proxy counted no token in the reading's second
+
+    def seen(t_s: float, weight: float, load: EngineLoad | None) -> float | None:
+        obs = Observation(
+            t_s=t_s, power_w=300.0, sensor_ok=True, features=proxy, in_flight=8, queued=0,
+            engine=load, reading_weight=weight,
+        )  # fmt: skip
+        dev.tick(obs, t_s, meter_lag_s=2.0)
+        return dev.law.last_input.decode_tok_s if dev.law.last_input else None
+
+    assert seen(11.0, 1.0, engine) == pytest.approx(3000.0)  # the second 8..9 s it measured
+    assert seen(11.2, 0.0, engine) == pytest.approx(3000.0)  # held: the same second
+    assert seen(9.0, 1.0, engine) == pytest.approx(1000.0)  # 6..7 s
+    assert seen(12.0, 1.0, None) == 0.0  # no engine counter: the proxy's own count

@@ -64,6 +64,10 @@ vllm:kv_cache_usage_perc{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct
 # HELP vllm:prompt_tokens_total Number of prefill tokens processed.
 # TYPE vllm:prompt_tokens_total counter
 vllm:prompt_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 123456.0
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 7000.0
+vllm:generation_tokens_total{engine="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 500.0
 # HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
 # TYPE vllm:time_to_first_token_seconds histogram
 vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="m"} 30.0
@@ -199,6 +203,7 @@ def test_upstream_scraper_reads_vllm_metrics() -> None:
     assert signals.requests_waiting == 3.0
     assert signals.kv_cache_usage == pytest.approx(0.375)  # a fraction: averaged over engines
     assert signals.requests_started_total == 42.0  # the TTFT histogram's count, every engine
+    assert signals.generation_tokens_total == 7500.0  # tokens generated, every engine
     # Metrics the server does not export come back as None, not as zero.
     only_running = "\n".join(VLLM.splitlines()[:4]) + "\n"
     partial = serve(only_running, scrape_once)
@@ -206,6 +211,7 @@ def test_upstream_scraper_reads_vllm_metrics() -> None:
     assert partial.requests_waiting is None
     assert partial.kv_cache_usage is None
     assert partial.requests_started_total is None
+    assert partial.generation_tokens_total is None
 
 
 def test_upstream_scraper_errors() -> None:

@@ -18,8 +18,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from powerbatch.control.config import ClockPolicy, ControlConfig
-from powerbatch.control.laws.clock import ClockChoice, ClockInput, ClockLaw
+from powerbatch.control.laws.clock import READING_WINDOW_S, ClockChoice, ClockInput, ClockLaw
 from powerbatch.control.types import Observation
+from powerbatch.control.window import counter_rate
 from powerbatch.telemetry.clock import ClockActuator
 
 log = logging.getLogger("powerbatch.control")
@@ -137,6 +138,7 @@ class DeviceClock:
         self._task: asyncio.Task[None] | None = None
         self._sampled_at = -math.inf
         self._changed_at = -math.inf
+        self._decode_tok_s: float | None = None  # the engine's, over the reading's second
 
     async def start(self) -> None:
         if not await self.actuator.start():
@@ -160,7 +162,7 @@ class DeviceClock:
             t_s=t_s,
             power_w=obs.power_w,
             batch=seen.batch,
-            decode_tok_s=seen.decode_tok_s,
+            decode_tok_s=self._decode_rate(obs, t_s, meter_lag_s),
             prefill_tok_s=seen.prefill_tok_s,
             queued=obs.queued,
             ttft_p95_s=lat.ttft_p95_s if lat else None,
@@ -179,6 +181,20 @@ class DeviceClock:
         for phase, v in self.phases.j_per_token().items():
             self.metrics.j_per_token.labels(phase).set(math.nan if v is None else v)
         return choice
+
+    def _decode_rate(self, obs: Observation, t_s: float, meter_lag_s: float) -> float:
+        """The decode rate of the second the reading measured: the engine's generated-token
+        counter where it is scraped, else the proxy's count. The law prices a clock by watts
+        against tokens/s and steps by batch over tokens/s, so a rate off by 3x on the second a
+        probe is judged (the proxy's, where answers are not streamed: it sees their tokens at
+        their end) decides the probe. A held reading keeps the rate of its second."""
+        generated = obs.engine.generated if obs.engine is not None else ()
+        if obs.reading_weight > 0 or self._decode_tok_s is None:
+            end_s = t_s - meter_lag_s
+            self._decode_tok_s = counter_rate(generated, end_s - READING_WINDOW_S, end_s)
+        if self._decode_tok_s is None or not generated:
+            return obs.seen.decode_tok_s
+        return self._decode_tok_s
 
     def fail_safe(self) -> None:
         """A tick failed: back to the driver's own clock policy until ticks work again."""

@@ -88,7 +88,8 @@ class EngineLoad:
     queue), out of the `in_flight` admitted then; `start_rate` the requests it starts per
     second; `token_s` the time a running request waits per output token, averaged over a
     request's decode time (what its TPOT will show), and `step_s` the same over the last few
-    scrapes (whether the step is slow now); None where the engine does not say."""
+    scrapes (whether the step is slow now); None where the engine does not say. `generated`:
+    the last scrapes' (t_s, tokens generated ever), oldest first; empty where not exported."""
 
     queued: float
     in_flight: int
@@ -96,6 +97,7 @@ class EngineLoad:
     t_s: float
     token_s: float | None = None
     step_s: float | None = None
+    generated: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -40,6 +41,26 @@ class FeatureWindow:
             prefill_tok_s=(prefill_total - first[3]) / dt if dt > 0 else 0.0,
             decode_tok_s=(decode_total - first[4]) / dt if dt > 0 else 0.0,
         )
+
+
+def counter_rate(
+    samples: Sequence[tuple[float, float]], start_s: float, end_s: float
+) -> float | None:
+    """The rate of a counter scraped at `samples` ((t_s, value), oldest first) over
+    [start_s, end_s], interpolated linearly between scrapes. The part of the span after the
+    last scrape is not known yet: the span is cut there, and where less than half of it is
+    left, the rate between the last two scrapes stands for it. None with under two scrapes."""
+    if len(samples) < 2 or end_s <= start_s:
+        return None
+    ts = [t for t, _ in samples]
+    vs = [v for _, v in samples]
+    end = min(end_s, ts[-1])
+    start = max(start_s, ts[0])
+    if end - start < 0.5 * (end_s - start_s):
+        start, end = ts[-2], ts[-1]
+    if end <= start:
+        return None
+    return max(0.0, float(np.interp(end, ts, vs) - np.interp(start, ts, vs)) / (end - start))
 
 
 def _lag_row(f: Features) -> tuple[float, ...]:

@@ -24,11 +24,17 @@ length before a window of finished requests' p95 does. The last intervals' own (
 EWMA of `RATE_WEIGHT` a scrape) say whether the step is still slow now, after a shrink the
 average still remembers. (The running count over the generated tokens per second would count the
 requests in prefill, which make no tokens, as slow decodes.)
+
+The engine's generated-token counter (`vllm:generation_tokens`) is kept for the last
+`GENERATED_KEPT_S` of scrapes (`EngineLoad.generated`): the proxy counts an answer that is not
+streamed only when it ends, so its own decode rate over one second is off by 3x at the median
+and follows the load a second late; the engine's counter, read a second apart, is not.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 
 from powerbatch.control import EngineLoad
 from powerbatch.telemetry import UpstreamSignals
@@ -36,6 +42,10 @@ from powerbatch.telemetry.filters import ewma_step
 
 RATE_WEIGHT = 0.3
 """EWMA weight per scrape of the start rate: a few scrapes, as bursts come and go."""
+
+
+GENERATED_KEPT_S = 10.0
+"""How far back the generated-token counter's scrapes are kept: past any meter's lag."""
 
 
 MISSES_KEPT = 2
@@ -56,14 +66,17 @@ class EngineQueue:
         self._itl = (0.0, 0.0)  # the ITL sum's and count's rises, averaged over the horizon
         self._step_s: float | None = None  # the last intervals' mean ITL
         self._horizon_s: float | None = None  # a request's decode time, once one has finished
+        self._generated: deque[tuple[float, float]] = deque()  # (t_s, tokens generated ever)
 
     def update(self, up: UpstreamSignals | None, admitted: int, in_flight: int) -> None:
         if up is None or up.requests_waiting is None or up.t_s is None:
             self._misses += 1
             if self._misses > MISSES_KEPT:
                 self.load, self._last, self._rate = None, None, None
+                self._generated.clear()
             return
         self._misses = 0
+        self._update_generated(up.t_s, up.generation_tokens_total)
         count = admitted if up.requests_started_total is None else up.requests_started_total
         if self._last is not None and up.t_s > self._last[0]:
             rate = max(0.0, count - self._last[1]) / (up.t_s - self._last[0])
@@ -74,8 +87,24 @@ class EngineQueue:
         self.load = None
         if self._rate is not None:
             self.load = EngineLoad(
-                up.requests_waiting, in_flight, self._rate, up.t_s, self.token_s, self._step_s
+                up.requests_waiting,
+                in_flight,
+                self._rate,
+                up.t_s,
+                self.token_s,
+                self._step_s,
+                tuple(self._generated),
             )
+
+    def _update_generated(self, t_s: float, total: float | None) -> None:
+        g = self._generated
+        if total is None or (g and total < g[-1][1]):  # not exported, or the engine restarted
+            g.clear()
+        if total is None:
+            return
+        g.append((t_s, total))
+        while g[0][0] < t_s - GENERATED_KEPT_S:
+            g.popleft()
 
     def _update_token_s(self, up: UpstreamSignals) -> None:
         if up.itl_sum_s is None or up.itl_count is None or up.t_s is None:

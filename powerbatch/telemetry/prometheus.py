@@ -188,6 +188,9 @@ class UpstreamSignals:
     # request): how long the steps are that one request's TPOT averages.
     decode_sum_s: float | None = None
     decode_count: float | None = None
+    # Tokens the engine has generated, ever (`vllm:generation_tokens`, counted at each step:
+    # vllm/v1/metrics/loggers.py), where the proxy sees a whole answer's tokens only at its end.
+    generation_tokens_total: float | None = None
 
 
 class UpstreamMetricsScraper:
@@ -205,6 +208,7 @@ class UpstreamMetricsScraper:
     ITL_COUNT = "vllm:inter_token_latency_seconds_count"
     DECODE_SUM = "vllm:request_decode_time_seconds_sum"
     DECODE_COUNT = "vllm:request_decode_time_seconds_count"
+    GENERATED = "vllm:generation_tokens_total"
 
     def __init__(
         self,
@@ -246,6 +250,7 @@ class UpstreamMetricsScraper:
             itl_count=total(self.ITL_COUNT),
             decode_sum_s=total(self.DECODE_SUM),
             decode_count=total(self.DECODE_COUNT),
+            generation_tokens_total=total(self.GENERATED),
         )
 
     async def close(self) -> None:
