@@ -67,6 +67,7 @@ def run(
     meter_lag_s: float = 0.0,
     load: str = "poisson",
     pair_error_s: float = 0.0,
+    pair_jitter_s: float = 0.0,
 ) -> dict[str, float]:
     clock = VirtualClock()
     sim_engine.time.monotonic = clock  # type: ignore[attr-defined]
@@ -83,6 +84,7 @@ def run(
         if lock is not None:
             eng.set_gpu_locked_clocks(g, *lock)
     rng = np.random.default_rng(seed)
+    jitter = np.random.default_rng(seed + 7)  # its own stream: the load is the same either way
     # About 60 % of what the plant serves at a 16-request batch (a sizing guess, not a figure).
     rate = 0.6 * 16 / (profile.itl_base_s * 300 + 800 / profile.prefill_tok_s) / 2
     start_s = clock.t
@@ -135,7 +137,10 @@ def run(
             dt = span[-1][0] - span[0][0]
             # The load paired with the reading: the same second, or one `pair_error_s` later
             # (a meter lag learned that much short).
-            lo, hi = t_tick - meter_lag_s - 1.0 + pair_error_s, t_tick - meter_lag_s + pair_error_s
+            # (a meter lag learned that much short), give or take `pair_jitter_s` (where the
+            # meter's window lies, to a fraction of a second, differs reading to reading).
+            shift = pair_error_s + float(jitter.uniform(-pair_jitter_s, pair_jitter_s))
+            lo, hi = t_tick - meter_lag_s - 1.0 + shift, t_tick - meter_lag_s + shift
             seen = [w for w in window if lo - 1e-9 <= w[0] <= hi + 1e-9] or span
             dt_seen = max(seen[-1][0] - seen[0][0], 1e-9)
             held = (
@@ -175,6 +180,13 @@ def run(
     }
 
 
+def _setting(kv: str) -> tuple[str, float]:
+    name, _, value = kv.partition("=")
+    if name not in {f.name for f in fields(ClockPolicy)}:
+        raise SystemExit(f"--set {kv}: no clock setting {name!r}")
+    return name, float(value)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--plants", type=int, default=6)
@@ -189,10 +201,24 @@ def main() -> None:
         help="pair each reading with the load this much later than the second it measured",
     )
     p.add_argument(
+        "--pair-jitter-s",
+        type=float,
+        default=0.0,
+        help="and a uniform error of up to this much either way, drawn per reading",
+    )
+    p.add_argument(
         "--load",
         choices=("poisson", "bursty"),
         default="poisson",
         help="steady Poisson arrivals, or bursty's 7x swing every 10 s at the same mean rate",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a clock setting for the law (ClockPolicy's field, a number), e.g. "
+        "clock_explore_every_s=60; repeatable",
     )
     a = p.parse_args()
     rows: list[dict[str, Any]] = []
@@ -200,8 +226,14 @@ def main() -> None:
         profile, ceiling_w, kv = draw(seed)
         plant = partial(run, profile, ceiling_w, kv, seed, a.seconds, load=a.load)
         base = plant()
-        law = ClockLaw(ClockPolicy(clock_objective="energy"), ControlConfig(ceiling_w=ceiling_w))
-        learned = plant(law=law, meter_lag_s=a.meter_lag_s, pair_error_s=a.pair_error_s)
+        policy = ClockPolicy(clock_objective="energy", **dict(_setting(kv) for kv in a.set))
+        law = ClockLaw(policy, ControlConfig(ceiling_w=ceiling_w))
+        learned = plant(
+            law=law,
+            meter_lag_s=a.meter_lag_s,
+            pair_error_s=a.pair_error_s,
+            pair_jitter_s=a.pair_jitter_s,
+        )
         floor = profile.sm_clock_min_mhz
         best = base
         for top in law.levels[1:]:
@@ -223,6 +255,7 @@ def main() -> None:
             "meter_lag_s": a.meter_lag_s,
             "load": a.load,
             "pair_error_s": a.pair_error_s,
+            "pair_jitter_s": a.pair_jitter_s,
         }
         rows.append(row)
         print(
