@@ -185,9 +185,9 @@ class DeviceClock:
     def _decode_rate(self, obs: Observation, t_s: float, meter_lag_s: float) -> float:
         """The decode rate of the second the reading measured: the engine's generated-token
         counter where it is scraped, else the proxy's count. The law prices a clock by watts
-        against tokens/s and steps by batch over tokens/s, so a rate off by 3x on the second a
-        probe is judged (the proxy's, where answers are not streamed: it sees their tokens at
-        their end) decides the probe. A held reading keeps the rate of its second."""
+        against tokens/s and steps by batch over tokens/s, so a rate 2-4x off on the second a
+        probe is judged (the proxy's: it sees an answer's tokens at its end, but for one per
+        streamed event) decides the probe. A held reading keeps the rate of its second."""
         generated = obs.engine.generated if obs.engine is not None else ()
         if obs.reading_weight > 0 or self._decode_tok_s is None:
             end_s = t_s - meter_lag_s

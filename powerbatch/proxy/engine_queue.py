@@ -26,9 +26,11 @@ average still remembers. (The running count over the generated tokens per second
 requests in prefill, which make no tokens, as slow decodes.)
 
 The engine's generated-token counter (`vllm:generation_tokens`) is kept for the last
-`GENERATED_KEPT_S` of scrapes (`EngineLoad.generated`): the proxy counts an answer that is not
-streamed only when it ends, so its own decode rate over one second is off by 3x at the median
-and follows the load a second late; the engine's counter, read a second apart, is not.
+`GENERATED_KEPT_S` of scrapes (`EngineLoad.generated`): the proxy counts one token per
+streamed event and the rest of an answer's tokens (an answer not streamed, or events that carry
+several) only when it ends, so its own decode rate over one second was off by 1.8x at the median
+and 3.9x at the 90th percentile in a bursty bench run (`benchmarks/decode_rate_error.py`), and
+follows the load about a second late; the engine's counter, read a second apart, does neither.
 """
 
 from __future__ import annotations
