@@ -120,6 +120,7 @@ class ProxyFeatures:
                     "requests_waiting": up.requests_waiting,
                     "kv_cache_usage": up.kv_cache_usage,
                     "requests_started_total": up.requests_started_total,
+                    "generation_tokens_total": up.generation_tokens_total,
                     "requests_started_per_s": eq.start_rate
                     if (eq := self.engine_queue.load)
                     else None,

@@ -189,7 +189,7 @@ class UpstreamSignals:
     decode_sum_s: float | None = None
     decode_count: float | None = None
     # Tokens the engine has generated, ever (`vllm:generation_tokens`, counted at each step:
-    # vllm/v1/metrics/loggers.py), where the proxy sees a whole answer's tokens only at its end.
+    # vllm/v1/metrics/loggers.py), where the proxy sees most of an answer's only at its end.
     generation_tokens_total: float | None = None
 
 

@@ -201,3 +201,6 @@ def test_vllm_bench_serve_through_powerbatch_in_front_of_real_vllm() -> None:
     # shape the proxy scrapes are this vLLM's. (Its average over a request's decode time fades
     # to None once nothing decodes, as after the run.)
     assert upstream["step_s"] is not None and 0 < upstream["step_s"] < 10, upstream
+    # The clock law's decode rate, from vLLM's generated-token counter: this vLLM exports it
+    # under the name the proxy scrapes.
+    assert (upstream["generation_tokens_total"] or 0) > 0, upstream
