@@ -256,7 +256,7 @@ def test_the_engines_generated_tokens_are_kept_a_few_seconds_and_begin_again_on_
     assert q.load is not None and q.load.generated == ()
 
 
-def test_the_sims_generated_tokens_reach_the_engine_load_through_a_scrape() -> None:
+def test_the_sims_generated_tokens_reach_the_proxy_through_a_scrape() -> None:
     async def main() -> tuple[float, ...]:
         engine = SimEngine(seed=3)
         sim = await start_sim_server(engine)

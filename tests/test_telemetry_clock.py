@@ -376,11 +376,12 @@ def test_no_lock_without_a_writable_state_file(tmp_path: Path) -> None:
 def test_counter_rate_is_interpolated_between_scrapes_and_cut_at_the_last() -> None:
     from powerbatch.control.window import counter_rate
 
-    scrapes = [(0.0, 0.0), (1.0, 100.0), (2.0, 500.0), (3.0, 600.0)]
+    scrapes = [(0.0, 0.0), (1.0, 100.0), (2.0, 500.0), (2.5, 600.0)]
     assert counter_rate(scrapes, 1.0, 2.0) == pytest.approx(400.0)
     assert counter_rate(scrapes, 0.5, 1.5) == pytest.approx(250.0)  # half of each second
-    assert counter_rate(scrapes, 2.4, 3.4) == pytest.approx(100.0)  # cut at the last scrape
-    assert counter_rate(scrapes, 2.8, 3.8) == pytest.approx(100.0)  # mostly unknown: last rate
+    # Cut at the last scrape: 1.8..2.5 s, 180 tokens in 0.7 s.
+    assert counter_rate(scrapes, 1.8, 2.8) == pytest.approx(180.0 / 0.7)
+    assert counter_rate(scrapes, 2.4, 3.4) == pytest.approx(200.0)  # mostly unknown: last rate
     assert counter_rate(scrapes[:1], 0.0, 1.0) is None
     assert counter_rate(scrapes, 2.0, 2.0) is None
 
