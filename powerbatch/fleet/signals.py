@@ -108,8 +108,7 @@ class LoopSignals:
         up, surge = self._arrivals_up(RISE_SD), self._arrivals_up(SURGE_SD)
         work = float(rec.in_flight + rec.queued)
         before = None if self._demand is None else self._demand[1]  # the demand last bid
-        work_rising = before is not None and work > before
-        rising = work_rising or up
+        rising = (before is not None and work > before) or up
         demand = self._smoothed(rec.t_s, work)
         f = rec.features
         if f.batch >= 1:
