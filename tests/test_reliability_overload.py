@@ -30,6 +30,7 @@ BATCH = 2
 SERVICE_S = 0.1  # non-streamed: tokens x token_interval_s
 CAPACITY = BATCH / SERVICE_S  # requests/s the upstream sustains
 TTFT_SLO_S = 2.0
+STALL_S = 0.2  # a gap in the 20-ms sampler this long is a stall of the test process
 
 
 def _rss_mb() -> float:
@@ -45,6 +46,7 @@ class Result:
     status: int = 0
     retry_after: str | None = None
     latency_s: float = math.nan
+    done_s: float = math.nan  # monotonic time of the answer
     complete: bool = False  # a 200 stream that ended with [DONE], or a 200 JSON body
     error: str | None = None
 
@@ -56,6 +58,7 @@ class Run:
     max_backlog: int = 0
     max_in_flight: int = 0
     rss_mb: list[float] = field(default_factory=list)
+    stalls: list[tuple[float, float]] = field(default_factory=list)  # event-loop gaps (t0, t1)
 
 
 async def _one(s: aiohttp.ClientSession, p: Proxy, r: Result) -> None:
@@ -73,7 +76,8 @@ async def _one(s: aiohttp.ClientSession, p: Proxy, r: Result) -> None:
                 r.complete = body.rstrip().endswith(b"[DONE]") if r.stream else b'"id"' in body
     except Exception as exc:  # any of these fails the test: each request must get an answer
         r.error = f"{type(exc).__name__}: {exc}"
-    r.latency_s = time.monotonic() - t0
+    r.done_s = time.monotonic()
+    r.latency_s = r.done_s - t0
 
 
 async def drive(
@@ -90,7 +94,12 @@ async def drive(
     stop = asyncio.Event()
 
     async def sample() -> None:
+        last_s = time.monotonic()
         while not stop.is_set():
+            now_s = time.monotonic()
+            if now_s - last_s > STALL_S:  # this process stood still (GC, a busy machine)
+                out.stalls.append((last_s, now_s))
+            last_s = now_s
             q = p.gov.queue
             out.max_queued = max(out.max_queued, q.queued)
             out.max_backlog = max(out.max_backlog, q.backlog)
@@ -152,6 +161,16 @@ def _p95(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, math.ceil(0.95 * len(xs)) - 1)]
 
 
+def _answered_429(out: Run) -> list[tuple[int, float]]:
+    return [(int(r.retry_after or "x"), r.done_s) for r in out.results if r.status == 429]
+
+
+def _after_stall(stalls: list[tuple[float, float]], t_s: float, wake_s: float) -> bool:
+    """Whether `t_s` falls in a stall or the `wake_s` after it (the grant-rate average's
+    memory: at 20 grants/s its 0.2 weight forgets a stall within about 0.5 s)."""
+    return any(t0 <= t_s <= t1 + wake_s for t0, t1 in stalls)
+
+
 def test_ten_times_the_sustainable_rate() -> None:
     async def go() -> None:
         behaviour = Behaviour(tokens=4, token_interval_s=SERVICE_S / 4)
@@ -181,10 +200,13 @@ def test_ten_times_the_sustainable_rate() -> None:
             assert min(waits) >= 1
             # Queue 20 at 20/s: ideally 2 s. The estimate follows the grant rate the proxy
             # measures, and a stall of this (shared, saturated) test process is a real stall
-            # to it (a 0.6 s stall with 20 ahead says 13 s), so judge the bulk, not the tail.
+            # to it (a 0.6 s stall with 20 ahead says 13 s; one in CI gave 17 % of the waits
+            # 8 s), so the bulk is judged, and the tail away from the stalls seen.
             ideal = math.ceil((20 + 1) / CAPACITY)
             assert ideal - 1 <= statistics.median(waits) <= ideal + 1
-            assert sum(w <= 2 * ideal for w in waits) >= 0.95 * len(waits)
+            calm = [w for w, t in _answered_429(out) if not _after_stall(out.stalls, t, 1.0)]
+            assert len(calm) >= 0.3 * len(waits), out.stalls
+            assert sum(w <= 2 * ideal for w in calm) >= 0.95 * len(calm), out.stalls
             # Truthful: once the burst is over, coming back after Retry-After is served at once.
             await asyncio.sleep(max(waits[-20:]))
             async with aiohttp.ClientSession() as s:
