@@ -22,12 +22,13 @@ from helpers import async_wait_until
 
 from powerbatch.admission import AdmissionQueue
 from powerbatch.control import AdmissionLimits, ControlConfig
-from powerbatch.control.config import Mode
+from powerbatch.control.config import ClockPolicy, Mode
 from powerbatch.control.controller import Controller
 from powerbatch.errors import SensorReadError
 from powerbatch.proxy import Governor, ProxyMetrics, ProxySettings, create_app
 from powerbatch.proxy.app import create_admin_app
 from powerbatch.telemetry import PowerMonitor, PowerSample
+from powerbatch.telemetry.clock import ClockActuator
 
 
 @dataclass
@@ -239,6 +240,8 @@ async def running_proxy(
     stale_after_s: float = 0.3,
     admin_port: bool = False,
     mode: str = "enforce",
+    sm_clock: ClockActuator | None = None,
+    clock_policy: ClockPolicy | None = None,
     **settings: Any,
 ) -> AsyncIterator[Proxy]:
     """A real proxy on loopback with a scripted power sensor and a fixed batch limit.
@@ -269,7 +272,14 @@ async def running_proxy(
         stale_after_s=stale_after_s,
         max_plausible_w=3 * ceiling_w,
     )
-    gov = Governor(Controller(cfg), queue, monitor, ProxyMetrics())
+    gov = Governor(
+        Controller(cfg),
+        queue,
+        monitor,
+        ProxyMetrics(),
+        sm_clock=sm_clock,
+        clock_policy=clock_policy,
+    )
     await monitor.poll_once()  # a good reading before the first tick: no start-up fail-closed
     # Any admin port moves the admin routes off the main app; the listener below uses port 0.
     ps = ProxySettings(upstream=upstream_url, admin_port=9 if admin_port else None, **settings)

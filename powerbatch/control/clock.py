@@ -12,7 +12,9 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -119,8 +121,33 @@ class PhaseEnergy:
         }
 
 
+class Boost:
+    """One prefill run at the top clock; `end()` (idempotent) gives the clock back."""
+
+    __slots__ = ("_clock", "_on")
+
+    def __init__(self, clock: DeviceClock) -> None:
+        self._clock, self._on = clock, True
+
+    def end(self) -> None:
+        if self._on:
+            self._on = False
+            self._clock._boost_ended()
+
+
 class DeviceClock:
-    """The clock law and its actuator; one change at a time, the next tick brings the newest."""
+    """The clock law and its actuator: one change at a time, then the newest wanted.
+
+    **Prefill boost.** A lock slows prefill about in proportion to the clock (it is SM-bound;
+    arXiv 2501.08219) while it saves energy in decode, so a stream whose first token someone
+    waits for (`boost()`, from the proxy, for the classes in `clock_boost_classes`) runs its
+    prefill unlocked: the lock is lifted at once when the first such prefill starts and put
+    back, unpaced, when the last one has its first token, as VoltanaLLM (arXiv 2509.04827)
+    sets prefill and decode clocks apart. A clock change takes milliseconds through NVML
+    (about 100 ms through zeusd's block=true), and there are at most two per boosted request.
+    The law is told the lock it chose, not the boost's: its readings then price a level as it
+    is run, boosts and all.
+    """
 
     def __init__(
         self,
@@ -128,17 +155,29 @@ class DeviceClock:
         policy: ClockPolicy,
         config: ControlConfig,
         registry: CollectorRegistry,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.actuator = actuator
         self.law = ClockLaw(policy, config)
         self.metrics = ClockMetrics(registry)
         self.phases = PhaseEnergy()
+        self.boost_classes = frozenset(policy.clock_boost_classes)
+        self._clock = clock
         self._tick_hz = config.tick_hz
         self._observing = config.mode == "observe"
         self._task: asyncio.Task[None] | None = None
         self._sampled_at = -math.inf
         self._changed_at = -math.inf
         self._decode_tok_s: float | None = None  # the engine's, over the reading's second
+        self._law_lock: tuple[int, int] | None = None  # the law's choice (None: unlocked)
+        self._law_in_force: tuple[int, int] | None = None  # the law's lock as last applied
+        self._want: tuple[tuple[int, int] | None, bool, float] = (
+            None,
+            True,
+            0.0,
+        )  # lock, paced, t_s
+        self.boosting = 0  # prefills running at the top clock now
+        self.boosts_total = 0
 
     async def start(self) -> None:
         if not await self.actuator.start():
@@ -146,7 +185,8 @@ class DeviceClock:
         self.law.set_supported(self.actuator.supported_mhz(), self._tick_hz)
 
     def _top_mhz(self) -> float:
-        lock = self.actuator.in_force
+        """The top of the lock the law has in force (a boost's lift is not the law's)."""
+        lock = self._law_in_force
         if lock is not None:
             return float(lock[1])
         supported = self.actuator.supported_mhz()
@@ -176,7 +216,8 @@ class DeviceClock:
         choice = self.law.tick(inp, obs.sensor_ok and obs.power_w is not None)
         self.phases.add(t_s, obs.power_w, obs.features.prefill_tok_s, obs.features.decode_tok_s)
         # Observing enforces nothing, the clock included: the choice is reported, not applied.
-        self._request(None if self._observing else choice.lock, t_s)
+        self._law_lock = None if self._observing else choice.lock
+        self._request(t_s, paced=True, tick=True)
         self.metrics.export(self.actuator.status())
         for phase, v in self.phases.j_per_token().items():
             self.metrics.j_per_token.labels(phase).set(math.nan if v is None else v)
@@ -198,26 +239,49 @@ class DeviceClock:
 
     def fail_safe(self) -> None:
         """A tick failed: back to the driver's own clock policy until ticks work again."""
-        self._request(None, self._sampled_at)
+        self._law_lock = None
+        self._request(self._clock(), paced=True)
 
-    def _request(self, lock: tuple[int, int] | None, t_s: float) -> None:
+    def boost(self) -> Boost:
+        """Run the prefill about to start at the top clock until the returned `Boost` ends."""
+        self.boosting += 1
+        self.boosts_total += 1
+        if self.boosting == 1 and self._law_lock is not None:
+            self._request(self._clock(), paced=True)  # raising is never paced
+        return Boost(self)
+
+    def _boost_ended(self) -> None:
+        self.boosting -= 1
+        if self.boosting == 0 and self._law_lock is not None:
+            self._request(self._clock(), paced=False)
+
+    def _request(self, t_s: float, *, paced: bool, tick: bool = False) -> None:
+        """Want the law's lock (unlocked while a prefill is boosted); a change in flight is
+        followed by the newest wanted, never queued behind stale ones."""
+        self._want = (None if self.boosting else self._law_lock, paced, t_s)
         if self._task is not None and not self._task.done():
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
-        sample = t_s - self._sampled_at >= SAMPLE_EVERY_S
+        sample = tick and t_s - self._sampled_at >= SAMPLE_EVERY_S
         if sample:
             self._sampled_at = t_s
-        self._task = loop.create_task(self._apply(lock, t_s, sample), name="powerbatch-clock")
+        self._task = loop.create_task(self._apply(sample), name="powerbatch-clock")
 
-    async def _apply(self, lock: tuple[int, int] | None, t_s: float, sample: bool) -> None:
+    async def _apply(self, sample: bool) -> None:
         try:
-            before = self.actuator.changes_total
-            await self.actuator.apply(lock)
-            if self.actuator.changes_total != before:
-                self._changed_at = t_s
+            while True:
+                want = self._want
+                lock, paced, t_s = want
+                await self.actuator.apply(lock, paced=paced)
+                if lock == self._law_lock:  # not a boost's lift: the law's lock in force
+                    in_force = self.actuator.in_force
+                    if in_force != self._law_in_force:
+                        self._law_in_force, self._changed_at = in_force, t_s
+                if self._want == want:
+                    break
             if sample:
                 await self.actuator.sample()
         except Exception:  # the actuator reports its own failures; this is a bug guard
@@ -226,6 +290,8 @@ class DeviceClock:
     def status(self) -> dict[str, Any]:
         return {
             **self.actuator.status(),
+            "boosting": self.boosting,
+            "boosts_total": self.boosts_total,
             "law": self.law.summary(),
             "j_per_token": self.phases.j_per_token(),
         }

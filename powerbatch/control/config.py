@@ -295,6 +295,11 @@ class ClockPolicy:
     clock_energy_weight: float = setting(
         0.5, "weighted objective: 1 is energy alone, 0 throughput alone", ge=0, le=1
     )
+    clock_boost_classes: tuple[str, ...] = setting(
+        ("high",),
+        "streamed requests of these classes run their prefill unlocked (at the top clock): a "
+        "lock slows prefill about in proportion, and their first token is waited for",
+    )
     clock_levels: int = setting(8, "candidate clock tops tried between the top and the floor", ge=2)
     clock_floor_frac: float = setting(
         0.4, "the lowest clock top the law picks, as a share of the highest", gt=0, le=1

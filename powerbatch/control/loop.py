@@ -147,7 +147,11 @@ class ControlLoop:
         # The SM clock: a third actuator, chosen by the clock law (None: the driver's policy).
         self.sm_clock = (
             DeviceClock(
-                sm_clock, clock_policy or ClockPolicy(), controller.config, metrics.registry
+                sm_clock,
+                clock_policy or ClockPolicy(),
+                controller.config,
+                metrics.registry,
+                clock,
             )
             if sm_clock is not None and sm_clock.backend.controls_device
             else None

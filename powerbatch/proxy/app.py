@@ -26,6 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from powerbatch.admission import DEFAULT_PRIORITY, PRIORITIES, Rejected, parse_priority
+from powerbatch.control.clock import Boost
 from powerbatch.control.config import Mode
 from powerbatch.energy.attribution import Labels, RequestEnergy
 from powerbatch.energy.labels import ANONYMOUS, OTHER, Bounded
@@ -255,6 +256,7 @@ class Call:
     rec: RequestEnergy
     generates: bool
     dialect: Dialect = OPENAI
+    boost: Boost | None = None  # the prefill at the top clock, ended by the first token
 
 
 class Accounting:
@@ -378,6 +380,8 @@ class StreamRelay:
             while (chunk := await up.chunk()) is not None:
                 if first_s is None:
                     first_s = time.monotonic()
+                    if call.boost is not None:
+                        call.boost.end()
                 tail = (tail + chunk)[-4096:]
                 pending += chunk
                 cut = _event_end(pending)
@@ -504,13 +508,15 @@ class AdmittedRoute:
             observed=info.stream or not self.generates,
             prefill_tokens=info.prompt_tokens,
         )
+        boost = self.gov.prefill_boost(priority) if info.stream and self.generates else None
         try:
             series.queue_wait_s.observe(time.monotonic() - t0)
             m.prompt_tokens.inc(info.prompt_tokens)
-            return await self._forward(
-                Call(request, info, priority, series, t0, rec, self.generates, errors), raw
-            )
+            call = Call(request, info, priority, series, t0, rec, self.generates, errors, boost)
+            return await self._forward(call, raw)
         finally:
+            if boost is not None:
+                boost.end()
             slot.release()
             rec.finished = True  # a failed request is charged up to its end at the next tick
 

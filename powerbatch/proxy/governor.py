@@ -23,6 +23,7 @@ from powerbatch.control import (
     LatencySnapshot,
     LatencyWindow,
 )
+from powerbatch.control.clock import Boost
 from powerbatch.control.config import ClockPolicy
 from powerbatch.control.controller import Controller
 from powerbatch.control.loop import CeilingSource, ControlLoop, HostSample, LimitsSink, PlanSource
@@ -240,6 +241,11 @@ class Governor:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.loop.stop()
+
+    def prefill_boost(self, priority: str) -> Boost | None:
+        """A streamed request of a boosted class is about to prefill: run it at the top clock."""
+        clock = self.loop.sm_clock
+        return clock.boost() if clock is not None and priority in clock.boost_classes else None
 
     def tick(self, t_s: float) -> Decision:
         return self.loop.tick(t_s)

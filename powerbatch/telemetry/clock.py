@@ -385,7 +385,7 @@ class ClockActuator(PacedActuator[ClockBackend]):
             return None
         return lock
 
-    def decide(self, target: Lock | None, now_s: float) -> str:
+    def decide(self, target: Lock | None, now_s: float, paced: bool = True) -> str:
         """What `apply` would do now: apply, same, dead_band, too_soon, backoff or inactive."""
         gate = self._gate(now_s)
         if gate is not None:
@@ -401,10 +401,16 @@ class ClockActuator(PacedActuator[ClockBackend]):
             ):
                 return "dead_band"
             higher = target[1] > hi0
-        return "apply" if higher else self._paced(now_s)
+        return "apply" if higher or not paced else self._paced(now_s)
 
-    async def apply(self, requested: tuple[float, float] | None) -> Lock | None:
-        """Apply a request if the rules allow; the lock in force after (None: unlocked)."""
+    async def apply(
+        self, requested: tuple[float, float] | None, *, paced: bool = True
+    ) -> Lock | None:
+        """Apply a request if the rules allow; the lock in force after (None: unlocked).
+
+        `paced=False` lowers without waiting `min_interval_s` and logs at debug: the return
+        from a prefill's boost to the lock in force before it (`DeviceClock`), bounded by the
+        request rate, not by the pacing that keeps the law from flapping."""
         if requested is not None and not all(math.isfinite(x) and x > 0 for x in requested):
             raise ValueError(f"requested clocks must be positive and finite, got {requested}")
         now_s = self._clock()
@@ -412,7 +418,7 @@ class ClockActuator(PacedActuator[ClockBackend]):
             return self.in_force
         target = self.normalise(requested)
         self.requested = target
-        verdict = self.decide(target, now_s)
+        verdict = self.decide(target, now_s, paced)
         if verdict != "apply":
             return self.in_force
         what = "unlock" if target is None else f"lock {target[0]}-{target[1]} MHz"
@@ -426,7 +432,10 @@ class ClockActuator(PacedActuator[ClockBackend]):
             return self.in_force
         self._succeeded(now_s)
         before, self.in_force, self.known = self.in_force, target, True
-        _log.info("%s: SM clocks %s (were %s)", self.name, _fmt_lock(target), _fmt_lock(before))
+        level = logging.INFO if paced else logging.DEBUG
+        _log.log(
+            level, "%s: SM clocks %s (were %s)", self.name, _fmt_lock(target), _fmt_lock(before)
+        )
         return target
 
     async def _fallback(self, exc: BaseException, now_s: float, what: str) -> None:
