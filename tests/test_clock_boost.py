@@ -38,6 +38,7 @@ class RecordingClock(FlakyClock):
         self.history.append((time.monotonic(), self.locked))
 
     async def restore(self) -> None:
+        await asyncio.sleep(self.lock_s)
         await super().restore()
         self.history.append((time.monotonic(), None))
 
@@ -109,10 +110,11 @@ def test_a_boost_unlocks_at_once_and_the_last_ones_end_relocks_unpaced() -> None
     assert out["changes"] == [LOCK, None, LOCK]
 
 
-def test_a_boost_that_ends_while_its_lift_is_in_flight_leaves_the_laws_lock() -> None:
-    """The newest wanted is applied after a change in flight, never a stale one."""
+def test_a_boost_that_ends_while_a_change_is_in_flight_leaves_the_laws_lock() -> None:
+    """The newest wanted is applied after a change in flight, never a stale one; and the way
+    back from a lift is unpaced whoever asks for it (here a tick, after the boost ended)."""
 
-    async def main() -> list[tuple[int, int] | None]:
+    async def main() -> list[Any]:
         backend = RecordingClock(lock_s=0.05)
         dev = DeviceClock(
             ClockActuator(backend, min_interval_s=60.0),
@@ -126,9 +128,15 @@ def test_a_boost_that_ends_while_its_lift_is_in_flight_leaves_the_laws_lock() ->
         await asyncio.sleep(0)  # the lock is in flight...
         dev.boost().end()  # ...when a whole boost comes and goes
         await _settle(dev)
-        return [backend.locked, *(lock for _, lock in backend.history[-1:])]
+        out: list[Any] = [backend.locked, backend.history[-1][1]]
+        boost = dev.boost()
+        await asyncio.sleep(0)  # the lift is in flight...
+        boost.end()
+        dev.tick(_obs(1.5), 1.5)  # ...and a tick asks for the law's lock after the boost
+        await _settle(dev)
+        return [*out, [lock for _, lock in backend.history]]
 
-    assert run(main()) == [LOCK, LOCK]
+    assert run(main()) == [LOCK, LOCK, [LOCK, None, LOCK]]
 
 
 def test_observe_mode_boosts_nothing() -> None:

@@ -171,11 +171,9 @@ class DeviceClock:
         self._decode_tok_s: float | None = None  # the engine's, over the reading's second
         self._law_lock: tuple[int, int] | None = None  # the law's choice (None: unlocked)
         self._law_in_force: tuple[int, int] | None = None  # the law's lock as last applied
-        self._want: tuple[tuple[int, int] | None, bool, float] = (
-            None,
-            True,
-            0.0,
-        )  # lock, paced, t_s
+        self._want: tuple[tuple[int, int] | None, bool, float] = (None, False, 0.0)
+        """The lock wanted now, whether it is a boost's lift, and when it was asked for."""
+        self._lifted = False  # a boost's lift is in force: the way back is not paced
         self.boosting = 0  # prefills running at the top clock now
         self.boosts_total = 0
 
@@ -217,7 +215,7 @@ class DeviceClock:
         self.phases.add(t_s, obs.power_w, obs.features.prefill_tok_s, obs.features.decode_tok_s)
         # Observing enforces nothing, the clock included: the choice is reported, not applied.
         self._law_lock = None if self._observing else choice.lock
-        self._request(t_s, paced=True, tick=True)
+        self._request(t_s, tick=True)
         self.metrics.export(self.actuator.status())
         for phase, v in self.phases.j_per_token().items():
             self.metrics.j_per_token.labels(phase).set(math.nan if v is None else v)
@@ -240,25 +238,26 @@ class DeviceClock:
     def fail_safe(self) -> None:
         """A tick failed: back to the driver's own clock policy until ticks work again."""
         self._law_lock = None
-        self._request(self._clock(), paced=True)
+        self._request(self._clock())
 
     def boost(self) -> Boost:
         """Run the prefill about to start at the top clock until the returned `Boost` ends."""
         self.boosting += 1
         self.boosts_total += 1
         if self.boosting == 1 and self._law_lock is not None:
-            self._request(self._clock(), paced=True)  # raising is never paced
+            self._request(self._clock())
         return Boost(self)
 
     def _boost_ended(self) -> None:
         self.boosting -= 1
         if self.boosting == 0 and self._law_lock is not None:
-            self._request(self._clock(), paced=False)
+            self._request(self._clock())
 
-    def _request(self, t_s: float, *, paced: bool, tick: bool = False) -> None:
+    def _request(self, t_s: float, *, tick: bool = False) -> None:
         """Want the law's lock (unlocked while a prefill is boosted); a change in flight is
         followed by the newest wanted, never queued behind stale ones."""
-        self._want = (None if self.boosting else self._law_lock, paced, t_s)
+        lift = self.boosting > 0 and self._law_lock is not None
+        self._want = (None if lift else self._law_lock, lift, t_s)
         if self._task is not None and not self._task.done():
             return
         try:
@@ -274,9 +273,13 @@ class DeviceClock:
         try:
             while True:
                 want = self._want
-                lock, paced, t_s = want
-                await self.actuator.apply(lock, paced=paced)
-                if lock == self._law_lock:  # not a boost's lift: the law's lock in force
+                lock, lift, t_s = want
+                # Raising is never paced; the way back from a lift is not either.
+                await self.actuator.apply(lock, paced=not self._lifted)
+                if lift:
+                    self._lifted = True
+                else:  # the law's lock
+                    self._lifted = False
                     in_force = self.actuator.in_force
                     if in_force != self._law_in_force:
                         self._law_in_force, self._changed_at = in_force, t_s
