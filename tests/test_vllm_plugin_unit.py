@@ -598,3 +598,62 @@ def test_engine_core_on_nvml_loads_no_http_server_queue_or_simulator() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == []
+
+
+# -- the prefill boost: the scheduler's thread asks, the control thread's loop lifts ----------
+
+
+def test_streams_reads_the_output_kind_the_openai_server_asks_for() -> None:
+    from types import SimpleNamespace
+
+    from powerbatch_vllm.energy import streams
+
+    def request(kind: str | None) -> Any:
+        output_kind = None if kind is None else SimpleNamespace(name=kind)
+        return SimpleNamespace(sampling_params=SimpleNamespace(output_kind=output_kind))
+
+    assert streams(request("DELTA"))
+    assert not streams(request("FINAL_ONLY")) and not streams(request("CUMULATIVE"))
+    assert not streams(request(None)) and not streams(SimpleNamespace(sampling_params=None))
+
+
+def test_the_scheduler_thread_lifts_the_clock_through_the_control_threads_loop() -> None:
+    from prometheus_client import CollectorRegistry
+    from test_clock_boost import LOCK, RecordingClock, _law_locks
+
+    from powerbatch.control.clock import DeviceClock
+    from powerbatch.control.config import ClockPolicy
+    from powerbatch.telemetry.clock import ClockActuator
+
+    ct = _thread("enforce", Watts(300.0))
+    assert ct.boost_classes == frozenset()  # no clock control: nothing to boost
+    backend = RecordingClock()
+    policy = ClockPolicy(clock_objective="energy", clock_boost_classes=("high",))
+    ct.loop.sm_clock = DeviceClock(
+        ClockActuator(backend, min_interval_s=60.0), policy, ct.control, CollectorRegistry()
+    )
+    _law_locks(ct.loop.sm_clock, [])
+    assert ct.boost_classes == {"high"}
+
+    def until(what: Any, label: str) -> None:
+        deadline = time.monotonic() + 5.0
+        while backend.locked != what:
+            assert time.monotonic() < deadline, (label, backend.locked)
+            time.sleep(0.01)
+
+    ct.start()
+    try:
+        until(LOCK, "the law's lock")
+        ct.boost("a")  # from this (the scheduler's) thread
+        ct.boost("b")
+        until(None, "lifted")
+        ct.unboost("a")
+        ct.unboost("a")  # twice: no effect
+        time.sleep(0.2)
+        assert backend.locked is None  # b is still prefilling
+        ct.unboost("b")
+        until(LOCK, "given back, unpaced")
+    finally:
+        ct.stop()
+    # Locked, lifted once for both, given back; reset when the thread stops.
+    assert [lock for _, lock in backend.history] == [LOCK, None, LOCK, None]

@@ -6,18 +6,26 @@ This drives a short mixed-priority load (vLLM's priority scheduling: -1 high, 0 
 and checks that every request was counted once, that plans were solved, and that the planned
 trajectory shows in `/status` and in `/history`, tick by tick. Power is the simulator's model
 of the engine's real steps (no GPU here), so the figures are about the plumbing, not watts.
+
+The high class streams, and the SM clock is controlled through a simulated zeusd: each of its
+requests is boosted once when vLLM first schedules it (a streamed request of a boosted class,
+read from vLLM's own request), and every boost has ended once its prompt was computed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from vllm_harness import OUT, vllm_server
+
+from powerbatch.cli.process import Child, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -45,13 +53,17 @@ async def _load(base_url: str) -> dict[str, int]:
         n = 0
         while time.monotonic() < deadline:
             n += 1
-            await client.completions.create(
+            answer = await client.completions.create(
                 model="tiny",
                 prompt=" ".join(f"w{(i * 31 + n * 7 + k) % 500}" for k in range(24)),
                 max_tokens=24 + (i * 5 + n) % 16,
                 extra_body={"ignore_eos": True, "priority": PRIORITIES[cls]},
+                stream=cls == "high",
                 timeout=120,
             )
+            if cls == "high":
+                async for _ in answer:  # type: ignore[union-attr]
+                    pass
             done[cls] += 1
 
     await asyncio.gather(*(worker(i) for i in range(CLIENTS)))
@@ -59,10 +71,29 @@ async def _load(base_url: str) -> dict[str, int]:
     return done
 
 
+@contextlib.contextmanager
+def sim_zeusd() -> Iterator[str]:
+    """The simulator's zeusd routes (the SM clock's lock and reset), on loopback."""
+    port = free_port()
+    child = Child("zeusd-sim", ["sim", "--port", str(port)], OUT, new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        child.launch()
+        child.wait_ready(url + "/health", 30, interval_s=0.5)
+        yield url
+    finally:
+        child.terminate(timeout_s=20)
+
+
 def test_planner_plans_from_the_engines_counts_in_real_vllm() -> None:
     import powerbatch_vllm
 
     print(f"\n[shape] powerbatch_vllm from {powerbatch_vllm.__file__}")
+    with sim_zeusd() as zeusd_url:
+        _planner_and_boosts(zeusd_url)
+
+
+def _planner_and_boosts(zeusd_url: str) -> None:
     env = {
         "POWERBATCH_VLLM_CEILING_W": "560",
         "POWERBATCH_VLLM_POWER_SOURCE": "model",
@@ -74,6 +105,12 @@ def test_planner_plans_from_the_engines_counts_in_real_vllm() -> None:
         "POWERBATCH_VLLM_PLANNER": "on",
         "POWERBATCH_VLLM_PLAN_HORIZON_S": "30",
         "POWERBATCH_VLLM_PLAN_EVERY_S": "1",
+        "POWERBATCH_VLLM_CLOCK_CONTROL": "zeusd",
+        "POWERBATCH_VLLM_ZEUSD_URL": zeusd_url,
+        "POWERBATCH_VLLM_CLOCK_RANGE_MHZ": "345,1980",
+        "POWERBATCH_VLLM_CLOCK_OBJECTIVE": "energy",
+        "POWERBATCH_VLLM_CLOCK_BOOST_CLASSES": "high",
+        "POWERBATCH_VLLM_LIMIT_STATE_DIR": str(OUT / "shape-state"),
     }
     with vllm_server("shape", env, extra_args=("--scheduling-policy", "priority")) as server:
         done = asyncio.run(_load(server.url))
@@ -98,3 +135,7 @@ def test_planner_plans_from_the_engines_counts_in_real_vllm() -> None:
     assert len(plan["next_w"]) == 10 and all(0 <= w <= 560 for w in plan["next_w"])
     assert plan["solve_s"] < 0.5
     assert len(planned) >= 0.5 * len(history), "most ticks should have a plan to follow"
+    # Each streamed high request was boosted once, and every boost ended.
+    clock = status["clock"]
+    print(f"[shape] clock {clock['boosts_total']} boosts, locked {clock['locked_mhz']}")
+    assert clock["boosts_total"] == done["high"] and clock["boosting"] == 0

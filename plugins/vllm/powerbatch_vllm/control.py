@@ -17,9 +17,11 @@ import dataclasses
 import logging
 import math
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from powerbatch.control import ControlConfig, Decision, LatencySnapshot
+from powerbatch.control.clock import Boost
 from powerbatch.control.controller import Controller
 from powerbatch.control.loop import ControlLoop, HostSample
 from powerbatch.control.record import open_trace
@@ -257,6 +259,8 @@ class ControlThread:
         )
         attach(member, self.loop, stats.queue_counts)
         self.dp_rank = dp_rank
+        self._boosts: dict[str, Boost] = {}  # on this thread's loop only
+        self._aloop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._server: StatusServer | None = None
@@ -310,6 +314,7 @@ class ControlThread:
             self.sink.fail_safe()
 
     async def _main(self) -> None:
+        self._aloop = asyncio.get_running_loop()
         await self.loop.start()
         try:
             await asyncio.to_thread(self._stop.wait)
@@ -317,6 +322,36 @@ class ControlThread:
             await self.loop.stop()
             with contextlib.suppress(Exception):
                 await self.source.close()
+
+    # -- the prefill boost, from the scheduler's thread ----------------------------------------
+
+    @property
+    def boost_classes(self) -> frozenset[str]:
+        """The classes whose streamed requests run their prefill at the top clock."""
+        clock = self.loop.sm_clock
+        return clock.boost_classes if clock is not None else frozenset()
+
+    def boost(self, req_id: str) -> None:
+        """This request's prefill runs at the top clock until `unboost` (DeviceClock.boost)."""
+        self._call(self._boost, req_id)
+
+    def unboost(self, req_id: str) -> None:
+        self._call(self._unboost, req_id)
+
+    def _call(self, fn: Callable[[str], None], req_id: str) -> None:
+        if self._aloop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nothing to lift
+                self._aloop.call_soon_threadsafe(fn, req_id)
+
+    def _boost(self, req_id: str) -> None:
+        clock = self.loop.sm_clock
+        if clock is not None and req_id not in self._boosts:
+            self._boosts[req_id] = clock.boost()
+
+    def _unboost(self, req_id: str) -> None:
+        boost = self._boosts.pop(req_id, None)
+        if boost is not None:
+            boost.end()
 
     # -- one tick, for tests and the loop -----------------------------------------------------
 

@@ -22,6 +22,14 @@ def priority_class(priority: int | None) -> str:
     return "high" if priority < 0 else "low"
 
 
+def streams(request: object) -> bool:
+    """Whether the client streams this request's answer: its first token is waited for. The
+    OpenAI server asks for DELTA outputs exactly when `stream` is set
+    (vllm/entrypoints/openai/chat_completion/protocol.py, `to_sampling_params`)."""
+    kind = getattr(getattr(request, "sampling_params", None), "output_kind", None)
+    return getattr(kind, "name", None) == "DELTA"
+
+
 class EngineEnergy:
     """The engine's requests as ledger entries; `pull` runs on the control thread."""
 

@@ -37,7 +37,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from powerbatch_vllm.config import load_config  # noqa: E402
 from powerbatch_vllm.control import ControlThread  # noqa: E402
-from powerbatch_vllm.energy import priority_class  # noqa: E402
+from powerbatch_vllm.energy import priority_class, streams  # noqa: E402
 from powerbatch_vllm.engine import EngineCaps, StepStats  # noqa: E402
 
 log = logging.getLogger("vllm.powerbatch")
@@ -55,6 +55,8 @@ class _PowerbatchMixin:
     _pb_kv_cap: int
     _pb_committed: int  # KV tokens the running set will hold at most: prompt + max_tokens
     _pb_prefilling: dict[str, Any]  # scheduled requests still without a first token
+    _pb_boosted: set[str]  # of those, the ones whose prefill runs at the top clock
+    _pb_unboost: list[str]  # boosted ones whose last prompt token the last step computed
     _pb_first_token_arrivals: list[float]  # arrival times of those the last step finished
     _pb_first_token_sched_t: float  # when that step was scheduled (wall clock)
 
@@ -81,6 +83,8 @@ class _PowerbatchMixin:
         self._pb_kv_cap = self._pb_caps.num_kv_blocks
         self._pb_committed = 0
         self._pb_prefilling = {}
+        self._pb_boosted = set()
+        self._pb_unboost = []
         self._pb_first_token_arrivals = []
         self._pb_first_token_sched_t = 0.0
         parallel = s.vllm_config.parallel_config
@@ -133,6 +137,9 @@ class _PowerbatchMixin:
         s.max_num_active_reqs = lim.max_active_reqs
         s.max_num_scheduled_tokens = lim.step_tokens(self._pb_caps, len(s.running))
         self._pb_kv_cap = lim.max_kv_blocks
+        for req_id in self._pb_unboost:  # that step has run (async: is running): decode next
+            self._pb.unboost(req_id)
+        self._pb_unboost = []
         if self._pb_first_token_arrivals:
             # The step that computed their last prompt token has run (with async scheduling,
             # is running): its first token is out, or about to be, now. If the engine idled in
@@ -190,13 +197,23 @@ class _PowerbatchMixin:
         """Note requests whose prompt this step completes: their TTFT is known next step.
 
         Only requests still in prefill are looked at (new ones join here), so the cost per
-        step is the number of prompts in flight, not the batch.
+        step is the number of prompts in flight, not the batch. A streamed request of a
+        boosted class (`clock_boost_classes`) runs its prefill at the top clock: lifted when
+        it is first scheduled, given back once the step that ends its prompt has run.
         """
         s: Any = self
+        boost_classes = self._pb.boost_classes
         for new in out.scheduled_new_reqs:
             request = s.requests.get(new.req_id)
             if request is not None and request.num_output_tokens == 0:
                 self._pb_prefilling[new.req_id] = request
+                if (
+                    boost_classes
+                    and priority_class(getattr(request, "priority", None)) in boost_classes
+                    and streams(request)
+                ):
+                    self._pb_boosted.add(new.req_id)
+                    self._pb.boost(new.req_id)
         if not self._pb_prefilling:
             return
         done = []
@@ -209,6 +226,9 @@ class _PowerbatchMixin:
                 done.append(req_id)
         for req_id in done:
             del self._pb_prefilling[req_id]
+            if req_id in self._pb_boosted:
+                self._pb_boosted.discard(req_id)
+                self._pb_unboost.append(req_id)
 
     def _pb_shutdown(self) -> None:
         pb = getattr(self, "_pb", None)
