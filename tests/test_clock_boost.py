@@ -69,11 +69,12 @@ def test_a_boost_unlocks_at_once_and_the_last_ones_end_relocks_unpaced() -> None
     async def main() -> dict[str, Any]:
         backend = RecordingClock()
         # Lowering is paced a minute apart: only the boost's own return may skip that.
+        registry = CollectorRegistry()
         dev = DeviceClock(
             ClockActuator(backend, min_interval_s=60.0),
             ClockPolicy(clock_objective="energy"),
             ControlConfig(ceiling_w=600.0),
-            CollectorRegistry(),
+            registry,
         )
         seen: list[ClockInput] = []
         _law_locks(dev, seen)
@@ -97,6 +98,7 @@ def test_a_boost_unlocks_at_once_and_the_last_ones_end_relocks_unpaced() -> None
         dev.tick(_obs(2.0), 2.0)
         out["law_saw"] = (seen[-1].top_mhz, seen[-1].changed_at_s)
         out["changes"] = [lock for _, lock in backend.history]
+        out["metric"] = registry.get_sample_value("powerbatch_sm_clock_boosts_total")
         return out
 
     out = run(main())
@@ -108,6 +110,7 @@ def test_a_boost_unlocks_at_once_and_the_last_ones_end_relocks_unpaced() -> None
     assert out["ended"] == (LOCK, 0, 2)
     assert out["law_saw"] == (1200.0, 1.0)
     assert out["changes"] == [LOCK, None, LOCK]
+    assert out["metric"] == 2.0
 
 
 def test_a_boost_that_ends_while_a_change_is_in_flight_leaves_the_laws_lock() -> None:

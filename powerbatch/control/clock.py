@@ -56,6 +56,11 @@ class ClockMetrics:
             "Failed, refused or timed-out clock changes that fell back to unlocked clocks",
             registry=r,
         )
+        self.boosts = Counter(
+            "powerbatch_sm_clock_boosts",
+            "Streamed requests whose prefill ran unlocked (the prefill boost)",
+            registry=r,
+        )
         self.degraded = Gauge(
             "powerbatch_sm_clock_degraded",
             "1 while clock control fails (clocks unlocked)",
@@ -67,7 +72,7 @@ class ClockMetrics:
             ["phase"],
             registry=r,
         )
-        self._counts = (0, 0)
+        self._counts = (0, 0, 0)
         for b in ("min", "max"):
             self.locked_mhz.labels(b).set(math.nan)
         for ph in ("prefill", "decode"):
@@ -82,9 +87,11 @@ class ClockMetrics:
         self.sm_clock_mhz.set(math.nan if clock is None else clock)
         self.degraded.set(1.0 if status.get("degraded") else 0.0)
         changes, fallbacks = int(status["changes_total"]), int(status["fallbacks_total"])
+        boosts = int(status.get("boosts_total", 0))
         self.changes.inc(max(0, changes - self._counts[0]))
         self.fallbacks.inc(max(0, fallbacks - self._counts[1]))
-        self._counts = (changes, fallbacks)
+        self.boosts.inc(max(0, boosts - self._counts[2]))
+        self._counts = (changes, fallbacks, boosts)
 
 
 class PhaseEnergy:
@@ -216,7 +223,7 @@ class DeviceClock:
         # Observing enforces nothing, the clock included: the choice is reported, not applied.
         self._law_lock = None if self._observing else choice.lock
         self._request(t_s, tick=True)
-        self.metrics.export(self.actuator.status())
+        self.metrics.export(self.status_counts())
         for phase, v in self.phases.j_per_token().items():
             self.metrics.j_per_token.labels(phase).set(math.nan if v is None else v)
         return choice
@@ -290,11 +297,17 @@ class DeviceClock:
         except Exception:  # the actuator reports its own failures; this is a bug guard
             log.exception("applying the SM clock failed")
 
-    def status(self) -> dict[str, Any]:
+    def status_counts(self) -> dict[str, Any]:
+        """The actuator's status with the boosts: what the metrics export."""
         return {
             **self.actuator.status(),
             "boosting": self.boosting,
             "boosts_total": self.boosts_total,
+        }
+
+    def status(self) -> dict[str, Any]:
+        return {
+            **self.status_counts(),
             "law": self.law.summary(),
             "j_per_token": self.phases.j_per_token(),
         }
