@@ -14,14 +14,19 @@ import json
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from vllm_harness import MODEL, OUT, ROOT, VENV, parse_metrics, proxy_server, vllm_server
-
-from powerbatch.cli.process import Child, free_port
+from vllm_harness import (
+    MODEL,
+    OUT,
+    ROOT,
+    VENV,
+    parse_metrics,
+    proxy_server,
+    sim_server,
+    vllm_server,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -29,20 +34,7 @@ NUM_PROMPTS = 16
 BENCH_TIMEOUT_S = 240
 REPORT = OUT / "bench-clients.json"
 GUIDELLM = ROOT / ".venv-guidellm" / "bin" / "guidellm"
-
-
-@contextmanager
-def _sim() -> Iterator[str]:
-    port = free_port()
-    args = ["sim", "--port", str(port), "--stream-interval-tokens", "4", "--seed", "1"]
-    child = Child("bench-sim", args, OUT, new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        child.launch()
-        child.wait_ready(url + "/health", 30, interval_s=0.5)
-        yield url
-    finally:
-        child.terminate(timeout_s=10)
+SIM_ARGS = ("--stream-interval-tokens", "4", "--seed", "1")
 
 
 def _bench(name: str, base_url: str, backend: str, endpoint: str, model: str) -> dict[str, Any]:
@@ -164,7 +156,10 @@ def _check_and_record(name: str, result: dict[str, Any], counts: dict[str, float
 def test_vllm_bench_serve_through_powerbatch_in_front_of_the_simulator(
     backend: str, endpoint: str
 ) -> None:
-    with _sim() as sim_url, proxy_server(sim_url, sim_url + "/metrics", 900.0) as proxy_url:
+    with (
+        sim_server("bench-sim", *SIM_ARGS) as sim_url,
+        proxy_server(sim_url, sim_url + "/metrics", 900.0) as proxy_url,
+    ):
         result = _bench(f"sim-{backend}", proxy_url, backend, endpoint, "sim-llama")
         counts = _proxy_counts(proxy_url)
     _check_and_record(f"sim-{backend}", result, counts)
@@ -173,7 +168,10 @@ def test_vllm_bench_serve_through_powerbatch_in_front_of_the_simulator(
 
 
 def test_guidellm_through_powerbatch_in_front_of_the_simulator() -> None:
-    with _sim() as sim_url, proxy_server(sim_url, sim_url + "/metrics", 900.0) as proxy_url:
+    with (
+        sim_server("bench-sim", *SIM_ARGS) as sim_url,
+        proxy_server(sim_url, sim_url + "/metrics", 900.0) as proxy_url,
+    ):
         result = _guidellm(proxy_url)
         counts = _proxy_counts(proxy_url)
     _check_and_record("sim-guidellm", result, counts)

@@ -15,17 +15,13 @@ read from vLLM's own request), and every boost has ended once its prompt was com
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from vllm_harness import OUT, vllm_server
-
-from powerbatch.cli.process import Child, free_port
+from vllm_harness import OUT, sim_server, vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -71,25 +67,11 @@ async def _load(base_url: str) -> dict[str, int]:
     return done
 
 
-@contextlib.contextmanager
-def sim_zeusd() -> Iterator[str]:
-    """The simulator's zeusd routes (the SM clock's lock and reset), on loopback."""
-    port = free_port()
-    child = Child("zeusd-sim", ["sim", "--port", str(port)], OUT, new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        child.launch()
-        child.wait_ready(url + "/health", 30, interval_s=0.5)
-        yield url
-    finally:
-        child.terminate(timeout_s=20)
-
-
 def test_planner_plans_from_the_engines_counts_in_real_vllm() -> None:
     import powerbatch_vllm
 
     print(f"\n[shape] powerbatch_vllm from {powerbatch_vllm.__file__}")
-    with sim_zeusd() as zeusd_url:
+    with sim_server("zeusd-sim") as zeusd_url:  # its zeusd routes
         _planner_and_boosts(zeusd_url)
 
 

@@ -155,6 +155,25 @@ def vllm_server(
 
 
 @contextlib.contextmanager
+def sim_server(name: str, *args: str) -> Iterator[str]:
+    """`powerbatch sim` on loopback (a vLLM-like server, and zeusd's routes), with `args`."""
+    port = free_port()
+    with _serving(Child(name, ["sim", "--port", str(port), *args], OUT, new_session=True), port):
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def _serving(child: Child, port: int) -> Iterator[None]:
+    """`child` started and healthy on `port` (30 s at most), terminated after."""
+    try:
+        child.launch()
+        child.wait_ready(f"http://127.0.0.1:{port}/health", 30, interval_s=0.5)
+        yield
+    finally:
+        child.terminate(timeout_s=20)
+
+
+@contextlib.contextmanager
 def proxy_server(upstream: str, power_url: str, ceiling_w: float) -> Iterator[str]:
     """`powerbatch serve` in front of `upstream`, reading watts from a dcgm-format `power_url`."""
     port = free_port()
@@ -177,14 +196,8 @@ def proxy_server(upstream: str, power_url: str, ceiling_w: float) -> Iterator[st
         "--record-trace",
         str(OUT / "proxy-control-trace.csv"),
     ]
-    child = Child("proxy", args, OUT, new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        child.launch()
-        child.wait_ready(url + "/health", 30, interval_s=0.5)
-        yield url
-    finally:
-        child.terminate(timeout_s=20)
+    with _serving(Child("proxy", args, OUT, new_session=True), port):
+        yield f"http://127.0.0.1:{port}"
 
 
 # -- scraping -------------------------------------------------------------------------------
