@@ -206,6 +206,18 @@ def test_the_proxy_boosts_a_streamed_high_prefill_until_its_first_token_only() -
                         "status": resp.status,
                         "got": bool(first),
                     }
+                # An upstream that fails before the first token: the boost ends with it.
+                up.behaviour = Behaviour(delay_s=0.3, status=500)
+                n0 = len(backend.history)
+                async with s.post(
+                    p.url + "/v1/chat/completions",
+                    json=chat_body(stream=True),
+                    headers={"x-priority": "high"},
+                ) as resp:
+                    await resp.read()
+                    out["failed"] = resp.status
+                await async_wait_until(lambda: backend.locked == LOCK, 2.0, "relocked")
+                out["failed_changes"] = [lock for _, lock in backend.history[n0:]]
             out["boosting"] = dev.boosting
             return out
 
@@ -218,4 +230,5 @@ def test_the_proxy_boosts_a_streamed_high_prefill_until_its_first_token_only() -
     assert t_up < 0.3 <= t_down <= hs["first_s"] + 0.05
     for name in ("normal_stream", "high_whole"):
         assert out[name]["status"] == 200 and out[name]["changes"] == [], name
+    assert out["failed"] >= 500 and out["failed_changes"] == [None, LOCK]
     assert out["boosting"] == 0
