@@ -126,9 +126,10 @@ def test_raw_sse_format_and_coalescing() -> None:
     assert b"".join(lines).endswith(b"data: [DONE]\n\n")
     payloads = [json.loads(e[6:]) for e in events[:-1]]
     texts = [p["choices"][0]["text"] for p in payloads]
-    # 20 tokens in events of 8: 8, 8, 4 (the last carries finish_reason).
-    assert [len(t.split()) for t in texts] == [8, 8, 4]
-    assert [p["choices"][0]["finish_reason"] for p in payloads] == [None, None, "length"]
+    # 20 tokens in events of 8 after the first, sent at once as vLLM does: 1, 8, 8, 3 (the
+    # last carries finish_reason).
+    assert [len(t.split()) for t in texts] == [1, 8, 8, 3]
+    assert [p["choices"][0]["finish_reason"] for p in payloads] == [None, None, None, "length"]
     assert all(p["object"] == "text_completion" for p in payloads)
 
 

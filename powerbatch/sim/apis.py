@@ -30,6 +30,14 @@ from powerbatch.sim.engine import EngineStopped, SimRequest
 if TYPE_CHECKING:
     from powerbatch.sim.server import _Handlers
 
+
+def next_event_at(sent: int, interval: int) -> int:
+    """Output tokens the next streamed event waits for: the first token at once, then one event
+    per `interval` tokens, as vLLM's `--stream-interval` (vllm/v1/engine/output_processor.py:
+    "It is the first token, or it has reached the stream interval number of tokens")."""
+    return sent + interval if sent else 1
+
+
 AUDIO_WINDOW_S = 30.0
 AUDIO_ENCODER_TOKENS = 1500  # per 30-s window, padded (Whisper)
 AUDIO_MAX_DECODE = 448  # Whisper's decoder context
@@ -105,10 +113,11 @@ class SimApis:
         await self.h._finish(req, req.max_tokens, "length")
 
     async def _deltas(self, req: SimRequest, write: Callable[[str], Awaitable[None]]) -> None:
-        """Write the output as it is made, one delta per `stream_interval_tokens`."""
+        """Write the output as it is made: the first token, then one delta per
+        `stream_interval_tokens`."""
         sent = 0
         while True:
-            n = await req.wait_tokens(sent + self.h.interval)
+            n = await req.wait_tokens(next_event_at(sent, self.h.interval))
             if req.finish_reason not in (None, "length"):
                 raise EngineStopped(f"request ended early: {req.finish_reason}")
             if n > sent:

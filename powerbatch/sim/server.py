@@ -35,7 +35,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from powerbatch.errors import PowerLimitError, RequestError
-from powerbatch.sim.apis import add_api_routes
+from powerbatch.sim.apis import add_api_routes, next_event_at
 from powerbatch.sim.engine import (
     EngineStopped,
     QueueFull,
@@ -379,7 +379,7 @@ class _Handlers:
             sent = 0
             try:
                 while True:
-                    n = await req.wait_tokens(sent + self.interval)
+                    n = await req.wait_tokens(next_event_at(sent, self.interval))
                     if req.finish_reason not in (None, "length"):
                         raise EngineStopped(f"request ended early: {req.finish_reason}")
                     if sent == 0 and chat:  # vLLM sends the role once the first output exists
