@@ -57,7 +57,7 @@ def add_common(p: argparse.ArgumentParser, duration_s: float) -> None:
         "--stream-interval-tokens",
         type=int,
         default=4,
-        help="tokens per SSE event from the simulator (CPU budget)",
+        help="tokens per SSE event from the simulator after the first (sent at once); CPU budget",
     )
     add_dcgm_interval_argument(p)
     add_slo_arguments(p)
