@@ -3,8 +3,10 @@ requests' p95 a request's length late."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from powerbatch.control import ControlConfig, EngineLoad, LatencySnapshot
-from powerbatch.control.laws.latency import FAST_HOLD_SCRAPES, LatencyLaw
+from powerbatch.control.laws.latency import FAST_HOLD_SCRAPES, FUTILE_MEMORY_S, LatencyLaw
 
 SLO_S = 0.1
 
@@ -77,3 +79,39 @@ def test_with_no_average_yet_the_step_alone_shrinks_nothing_and_the_p95_is_not_r
     for k in range(30):
         ll.update(float(k), snapshot(3 * SLO_S), 200, load)
     assert ll.batch == 256
+
+
+def _drive(ll: LatencyLaw, step_of: Callable[[int], float], seconds: int) -> list[float]:
+    """A plant scraped once a second under a demand of 200 requests: the engine runs
+    min(cap, 200), its step is step_of(running), and a request's average is the step."""
+    caps = []
+    for k in range(seconds):
+        running = min(int(ll.batch), 200)
+        step_s = step_of(running)
+        ll.update(float(k), None, running, EngineLoad(0, running, 10.0, float(k), step_s, step_s))
+        caps.append(ll.batch)
+    return caps
+
+
+def test_cuts_that_cannot_reach_the_slo_are_undone_and_not_repeated() -> None:
+    # Every step carries a long prompt's prefill: a smaller batch is barely faster per token
+    # (elasticity 0.05), and no batch of one request or more meets the SLO.
+    ll = law()
+    caps = _drive(ll, lambda b: 2 * SLO_S * (b / 200) ** 0.05, 60)
+    assert min(caps) < 200  # it tried
+    undo = next(k for k, c in enumerate(caps) if c < 200 and caps[k + 1] >= 200)
+    assert undo < 15  # judged on the first cut that moved the batch
+    memory = int(FUTILE_MEMORY_S)
+    assert min(caps[undo + 1 : undo + memory]) >= 200  # and nothing cut while it remembers
+    assert min(caps[undo + memory :]) < 200  # then one cut tries again
+    assert max(caps[-10:]) >= 200  # and is undone again
+    assert ll.multiplier == 0.0  # latency is not what binds: no batch buys it
+
+
+def test_cuts_that_pay_go_on_until_the_step_is_inside_the_slo() -> None:
+    # Power-throttled decode: the step follows the batch (elasticity 1), and 100 requests meet
+    # the SLO.
+    ll = law()
+    caps = _drive(ll, lambda b: 2 * SLO_S * b / 200, 60)
+    assert max(caps[20:]) <= 110  # it went on cutting down to the SLO's batch, and kept it
+    assert min(caps) >= 60

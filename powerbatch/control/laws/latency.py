@@ -21,11 +21,20 @@ each tick; once it is 0 the cap regrows by `latency_regrow` per tick plus one re
 while the step now is within `REGROW_BAND` of the SLO: a dead band, so the cap does not regrow
 into a breach the step would show only a scrape later. p95 TTFT only speeds growth (see the
 power law's step): the ceiling always wins.
+
+A cut is judged by what it bought. The step's elasticity to the running batch,
+e = log(step before / step after) / log(batch before / batch after), measured across the last
+cut once the running batch fell by at least `JUDGE_FALL`, says which batch would meet the SLO:
+batch now × (step now / SLO)^(−1/e). Where that is under `min_batch` no batch meets it (every
+step carries a long prompt's prefill, or the step is the weights' read, which a smaller batch
+does not shorten), so the cuts only gave tokens away: the cap goes back to where the cuts began
+and the engine's measure cuts nothing for `FUTILE_MEMORY_S`; then one cut tries again.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from powerbatch.control.config import ControlConfig
 from powerbatch.control.latency import LatencySnapshot
@@ -36,6 +45,22 @@ FAST_HOLD_SCRAPES = 3
 (`engine_queue.RATE_WEIGHT`, 0.3 a scrape) shows most of a shrink within three."""
 REGROW_BAND = 0.1
 """The cap regrows only while the step now is under (1 − this) of the TPOT SLO."""
+JUDGE_FALL = 1.1
+"""A cut is judged once the running batch fell by this factor: a smaller fall is lost in the
+step's noise."""
+FUTILE_MEMORY_S = 30.0
+"""After cuts that could not reach the SLO, the engine's measure cuts nothing this long: a
+latency window's worth, the load's shape may have moved by then."""
+
+
+@dataclass(slots=True)
+class _Cut:
+    """Where the engine's measure began cutting: the cap before, the running batch and the step
+    then."""
+
+    cap: float
+    running: float
+    step_s: float
 
 
 class LatencyLaw:
@@ -46,6 +71,8 @@ class LatencyLaw:
         self._hold_until_s = -math.inf
         self._hold_scrapes = 0  # new scrapes to wait for before the engine's measure acts again
         self._scrape_t_s: float | None = None
+        self._cut: _Cut | None = None
+        self._futile_until_s = -math.inf
 
     def update(
         self,
@@ -76,10 +103,19 @@ class LatencyLaw:
                 return
             ratio = tpot / slo_s
             over, ready, near = ratio > 1.0, t_s >= self._hold_until_s, False
+        if over and by_engine:
+            assert engine is not None and engine.step_s is not None
+            if ready and self._futile(t_s, engine):
+                ready = False
+        elif by_engine:
+            self._cut = None  # under the SLO: the cuts paid, or the load moved
         if over:
             if ready:
                 if by_engine:
+                    assert engine is not None and engine.step_s is not None
                     self._hold_scrapes = FAST_HOLD_SCRAPES
+                    if self._cut is None:
+                        self._cut = _Cut(self.batch, _running(engine), engine.step_s)
                 else:
                     self._hold_until_s = t_s + g.latency_hold_s
                 self.multiplier += g.latency_gain * (ratio - 1.0)
@@ -92,6 +128,29 @@ class LatencyLaw:
                 self.batch = min(float(cfg.max_batch), regrown)
         self.batch = max(float(cfg.min_batch), self.batch)
 
+    def _futile(self, t_s: float, engine: EngineLoad) -> bool:
+        """Whether cutting now cannot bring the step under the SLO (see the module's last
+        paragraph); on the first such judgement the cap goes back to where the cuts began."""
+        if t_s < self._futile_until_s:
+            return True
+        cut = self._cut
+        assert engine.step_s is not None
+        running = _running(engine)
+        if cut is None or cut.running < JUDGE_FALL * running:
+            return False
+        elasticity = math.log(cut.step_s / engine.step_s) / math.log(cut.running / running)
+        now = engine.step_s / self.config.tpot_slo_s
+        needed = running * now ** (-1.0 / elasticity) if elasticity > 0 else 0.0
+        if needed >= self.config.min_batch:
+            # The cuts pay: judge the next against where this one left the step.
+            self._cut = _Cut(cut.cap, running, engine.step_s)
+            return False
+        self.batch = max(self.batch, cut.cap)
+        self.multiplier = 0.0
+        self._cut = None
+        self._futile_until_s = t_s + FUTILE_MEMORY_S
+        return True
+
     def step(self, step: int, lat: LatencySnapshot | None) -> int:
         """The growth step, boosted while p95 TTFT is over its SLO: queueing is hurting first
         tokens, so grow faster where watts allow."""
@@ -99,3 +158,8 @@ class LatencyLaw:
         if ttft is not None and ttft > self.config.ttft_slo_s:
             return math.ceil(step * self.config.gains.ttft_step_boost)
         return step
+
+
+def _running(engine: EngineLoad) -> float:
+    """The engine's running batch: what it admitted less what it queues."""
+    return max(engine.in_flight - engine.queued, 1.0)
