@@ -22,13 +22,15 @@ while the step now is within `REGROW_BAND` of the SLO: a dead band, so the cap d
 into a breach the step would show only a scrape later. p95 TTFT only speeds growth (see the
 power law's step): the ceiling always wins.
 
-A cut is judged by what it bought. The step's elasticity to the running batch,
-e = log(step before / step after) / log(batch before / batch after), measured across the last
-cut once the running batch fell by at least `JUDGE_FALL`, says which batch would meet the SLO:
-batch now × (step now / SLO)^(−1/e). Where that is under `min_batch` no batch meets it (every
-step carries a long prompt's prefill, or the step is the weights' read, which a smaller batch
-does not shorten), so the cuts only gave tokens away: the cap goes back to where the cuts began
-and the engine's measure cuts nothing for `FUTILE_MEMORY_S`; then one cut tries again.
+A cut is judged by what it bought. A step is a fixed part (the weights' read; a long prompt's
+prefill where every step carries one) and a part per running request (their KV reads and
+compute): the roofline's shape, and vLLM's inter-token latency grows about so with the batch.
+Once the running batch has fallen by `JUDGE_FALL` since the cuts began, the line through the
+step then and now says which batch would meet the SLO: (SLO − fixed part) / per-request part.
+Where that is under `min_batch` (or the step did not fall) no batch meets it, so the cuts only
+gave tokens away: the cap goes back to where they began and the engine's measure cuts nothing
+for `FUTILE_MEMORY_S`, twice as long after each such judgement until the step is back under
+the SLO; then one cut tries again.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ JUDGE_FALL = 1.1
 """A cut is judged once the running batch fell by this factor: a smaller fall is lost in the
 step's noise."""
 FUTILE_MEMORY_S = 30.0
-"""After cuts that could not reach the SLO, the engine's measure cuts nothing this long: a
-latency window's worth, the load's shape may have moved by then."""
+"""After cuts that could not reach the SLO, the engine's measure cuts nothing this long (a
+latency window's worth: the load's shape may have moved by then), doubling while they keep
+failing."""
 
 
 @dataclass(slots=True)
@@ -73,6 +76,7 @@ class LatencyLaw:
         self._scrape_t_s: float | None = None
         self._cut: _Cut | None = None
         self._futile_until_s = -math.inf
+        self._futile_memory_s = FUTILE_MEMORY_S
 
     def update(
         self,
@@ -109,6 +113,7 @@ class LatencyLaw:
                 ready = False
         elif by_engine:
             self._cut = None  # under the SLO: the cuts paid, or the load moved
+            self._futile_memory_s = FUTILE_MEMORY_S
         if over:
             if ready:
                 if by_engine:
@@ -138,17 +143,17 @@ class LatencyLaw:
         running = _running(engine)
         if cut is None or cut.running < JUDGE_FALL * running:
             return False
-        elasticity = math.log(cut.step_s / engine.step_s) / math.log(cut.running / running)
-        now = engine.step_s / self.config.tpot_slo_s
-        needed = running * now ** (-1.0 / elasticity) if elasticity > 0 else 0.0
+        per_request_s = (cut.step_s - engine.step_s) / (cut.running - running)
+        fixed_s = engine.step_s - per_request_s * running
+        slo_s = self.config.tpot_slo_s
+        needed = (slo_s - fixed_s) / per_request_s if per_request_s > 0 else 0.0
         if needed >= self.config.min_batch:
-            # The cuts pay: judge the next against where this one left the step.
-            self._cut = _Cut(cut.cap, running, engine.step_s)
             return False
         self.batch = max(self.batch, cut.cap)
         self.multiplier = 0.0
         self._cut = None
-        self._futile_until_s = t_s + FUTILE_MEMORY_S
+        self._futile_until_s = t_s + self._futile_memory_s
+        self._futile_memory_s *= 2.0
         return True
 
     def step(self, step: int, lat: LatencySnapshot | None) -> int:
