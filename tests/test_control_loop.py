@@ -346,6 +346,7 @@ def test_plugin_is_not_ready_before_a_good_reading() -> None:
     asyncio.run(ct.monitor.poll_once())
     ct.tick(time.monotonic())
     assert ct.status()["ready"] is True
+    assert ct.status()["latency"]["cuts_undone_total"] == 0  # with the SLOs beside it
     assert ct.metrics.registry.get_sample_value("powerbatch_ready") == 1.0
 
 

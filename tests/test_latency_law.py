@@ -119,6 +119,7 @@ def test_cuts_that_cannot_reach_the_slo_are_undone_and_backed_off(
     assert sorted(starts) == [0, ends[0] + memory, ends[1] + 2 * memory]
     assert len(ends) == 3 and sum(cut) < 20
     assert ll.multiplier == 0.0  # latency is not what binds: no batch buys it
+    assert ll.status(150.0)["cuts_undone_total"] == 3
 
 
 @pytest.mark.parametrize(

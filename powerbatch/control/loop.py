@@ -461,5 +461,6 @@ class ControlLoop:
             model=self._model,
             power_limit=self.device.status() if self.device is not None else None,
             sections=[s.status_extra() for s in sections]
+            + [{"latency": self.controller.latency.status(self.clock())}]
             + ([{"clock": self.sm_clock.status()}] if self.sm_clock is not None else []),
         )

@@ -77,6 +77,8 @@ class LatencyLaw:
         self._cut: _Cut | None = None
         self._futile_until_s = -math.inf
         self._futile_memory_s = FUTILE_MEMORY_S
+        self.undone_total = 0
+        """Cuts undone because no batch met the SLO (/status `latency.cuts_undone_total`)."""
 
     def update(
         self,
@@ -154,7 +156,14 @@ class LatencyLaw:
         self._cut = None
         self._futile_until_s = t_s + self._futile_memory_s
         self._futile_memory_s *= 2.0
+        self.undone_total += 1
         return True
+
+    def status(self, t_s: float) -> dict[str, object]:
+        return {
+            "cuts_undone_total": self.undone_total,
+            "cuts_paused_for_s": max(0.0, self._futile_until_s - t_s),
+        }
 
     def step(self, step: int, lat: LatencySnapshot | None) -> int:
         """The growth step, boosted while p95 TTFT is over its SLO: queueing is hurting first
