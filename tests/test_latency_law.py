@@ -137,3 +137,16 @@ def test_cuts_that_pay_go_on_until_the_step_is_inside_the_slo(
     caps = _drive(ll, step_of, 90)
     assert max(caps[40:]) <= 1.1 * slo_batch  # cut down to the SLO's batch, and kept there
     assert min(caps) >= 0.6 * slo_batch
+
+
+def test_a_batch_the_engine_queues_is_not_taken_for_a_cut_that_failed() -> None:
+    # Cut once; then a prefill backlog: the engine queues 40 of the 200 still admitted (its
+    # running batch falls 1.25x, not by the cut) and its step rises. That is no judgement.
+    ll = law()
+    ll.update(0.0, None, 200, EngineLoad(0, 200, 10.0, 0.0, 2 * SLO_S, 2 * SLO_S))
+    cut = ll.batch
+    assert cut < 200
+    for k in range(1, 10):
+        ll.update(float(k), None, 200, EngineLoad(40, 200, 10.0, float(k), 2 * SLO_S, 3 * SLO_S))
+    assert ll.batch < cut  # cut on, as before: nothing says the cuts could not pay
+    assert ll.status(10.0)["cuts_undone_total"] == 0

@@ -25,12 +25,12 @@ power law's step): the ceiling always wins.
 A cut is judged by what it bought. A step is a fixed part (the weights' read; a long prompt's
 prefill where every step carries one) and a part per running request (their KV reads and
 compute): the roofline's shape, and vLLM's inter-token latency grows about so with the batch.
-Once the running batch has fallen by `JUDGE_FALL` since the cuts began, the line through the
-step then and now says which batch would meet the SLO: (SLO − fixed part) / per-request part.
-Where that is under `min_batch` (or the step did not fall) no batch meets it, so the cuts only
-gave tokens away: the cap goes back to where they began and the engine's measure cuts nothing
-for `FUTILE_MEMORY_S`, twice as long after each such judgement until the step is back under
-the SLO; then one cut tries again.
+Once the running batch and what the proxy admitted have both fallen by `JUDGE_FALL` since the
+cuts began, the line through the step then and now says which batch would meet the SLO:
+(SLO − fixed part) / per-request part. Where that is under `min_batch` (or the step did not
+fall) no batch meets it, so the cuts only gave tokens away: the cap goes back to where they
+began and the engine's measure cuts nothing for `FUTILE_MEMORY_S`, twice as long after each
+such judgement until the step is back under the SLO; then one cut tries again.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class _Cut:
     then."""
 
     cap: float
+    admitted: int
     running: float
     step_s: float
 
@@ -122,7 +123,9 @@ class LatencyLaw:
                     assert engine is not None and engine.step_s is not None
                     self._hold_scrapes = FAST_HOLD_SCRAPES
                     if self._cut is None:
-                        self._cut = _Cut(self.batch, _running(engine), engine.step_s)
+                        self._cut = _Cut(
+                            self.batch, engine.in_flight, _running(engine), engine.step_s
+                        )
                 else:
                     self._hold_until_s = t_s + g.latency_hold_s
                 self.multiplier += g.latency_gain * (ratio - 1.0)
@@ -145,6 +148,8 @@ class LatencyLaw:
         running = _running(engine)
         if cut is None or cut.running < JUDGE_FALL * running:
             return False
+        if cut.admitted < JUDGE_FALL * engine.in_flight:
+            return False  # the engine queues more (a prefill backlog): not the cuts' doing
         per_request_s = (cut.step_s - engine.step_s) / (cut.running - running)
         fixed_s = engine.step_s - per_request_s * running
         slo_s = self.config.tpot_slo_s
