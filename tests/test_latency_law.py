@@ -120,6 +120,7 @@ def test_cuts_that_cannot_reach_the_slo_are_undone_and_backed_off(
     assert len(ends) == 3 and sum(cut) < 20
     assert ll.multiplier == 0.0  # latency is not what binds: no batch buys it
     assert ll.status(150.0)["cuts_undone_total"] == 3
+    assert "no batch meets it" in ll.last_undo
 
 
 @pytest.mark.parametrize(

@@ -349,7 +349,10 @@ class ControlLoop:
             reading_weight=weight,
             relearn=tuple(self._aligner.relearn),
         )
+        undone = self.controller.latency.undone_total
         d = self.controller.tick(obs)
+        if self.controller.latency.undone_total > undone:
+            log.info("TPOT cuts undone: %s", self.controller.latency.last_undo)
         for sink in self.sinks:
             sink.apply(d)
         for observer in self.observers:

@@ -80,6 +80,8 @@ class LatencyLaw:
         self._futile_memory_s = FUTILE_MEMORY_S
         self.undone_total = 0
         """Cuts undone because no batch met the SLO (/status `latency.cuts_undone_total`)."""
+        self.last_undo = ""
+        """Why the last undoing: the batch and step the line went through (logged)."""
 
     def update(
         self,
@@ -156,6 +158,12 @@ class LatencyLaw:
         needed = (slo_s - fixed_s) / per_request_s if per_request_s > 0 else 0.0
         if needed >= self.config.min_batch:
             return False
+        self.last_undo = (
+            f"admitted {cut.admitted} -> {engine.in_flight}, running {cut.running:.0f} -> "
+            f"{running:.0f}, step {1000 * cut.step_s:.1f} -> {1000 * engine.step_s:.1f} ms "
+            f"(SLO {1000 * slo_s:.1f} ms): no batch meets it; cap back to {cut.cap:.0f} for "
+            f"{self._futile_memory_s:.0f} s"
+        )
         self.batch = max(self.batch, cut.cap)
         self.multiplier = 0.0
         self._cut = None
