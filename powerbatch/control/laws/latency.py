@@ -48,8 +48,8 @@ FAST_HOLD_SCRAPES = 3
 REGROW_BAND = 0.1
 """The cap regrows only while the step now is under (1 − this) of the TPOT SLO."""
 JUDGE_FALL = 1.1
-"""A cut is judged once the running batch fell by this factor: a smaller fall is lost in the
-step's noise."""
+"""A cut is judged once the running batch and what the proxy admitted both fell by this factor:
+a smaller fall is lost in the step's noise."""
 FUTILE_MEMORY_S = 30.0
 """After cuts that could not reach the SLO, the engine's measure cuts nothing this long (a
 latency window's worth: the load's shape may have moved by then), doubling while they keep
@@ -58,8 +58,8 @@ failing."""
 
 @dataclass(slots=True)
 class _Cut:
-    """Where the engine's measure began cutting: the cap before, the running batch and the step
-    then."""
+    """Where the engine's measure began cutting: the cap before, what the proxy had admitted, the
+    engine's running batch and its step then."""
 
     cap: float
     admitted: int
@@ -173,6 +173,7 @@ class LatencyLaw:
         return True
 
     def status(self, t_s: float) -> dict[str, object]:
+        """/status `latency`: the undoings, and how long the engine's measure still cuts nothing."""
         return {
             "cuts_undone_total": self.undone_total,
             "cuts_paused_for_s": max(0.0, self._futile_until_s - t_s),
