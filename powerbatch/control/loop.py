@@ -352,6 +352,7 @@ class ControlLoop:
         undone = self.controller.latency.undone_total
         d = self.controller.tick(obs)
         if self.controller.latency.undone_total > undone:
+            self.metrics.latency_cuts_undone.inc()
             log.info("TPOT cuts undone: %s", self.controller.latency.last_undo)
         for sink in self.sinks:
             sink.apply(d)

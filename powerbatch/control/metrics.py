@@ -124,6 +124,10 @@ class ControlMetrics:
             "powerbatch_latency_p95_seconds", "Sliding-window p95", ["metric"]
         )
         self.slo_s = gauge("powerbatch_slo_seconds", "Configured SLO", ["metric"])
+        self.latency_cuts_undone = counter(
+            "powerbatch_latency_cuts_undone",
+            "Times the TPOT law undid its cuts: no batch met the SLO at the step it measured",
+        )
         self.feature = gauge(
             "powerbatch_feature",
             "What the power model regresses on, over the last second",
