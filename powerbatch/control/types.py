@@ -99,6 +99,11 @@ class EngineLoad:
     step_s: float | None = None
     generated: tuple[tuple[float, float], ...] = ()
 
+    @property
+    def running(self) -> float:
+        """The engine's running batch: what was admitted less what it queues."""
+        return max(0.0, self.in_flight - self.queued)
+
 
 @dataclass(frozen=True, slots=True)
 class Observation:

@@ -46,8 +46,7 @@ class EngineLaw:
         self._scraped_t_s = engine.t_s
         buffer = self.buffer(engine.start_rate)
         if engine.queued > buffer:
-            running = max(0.0, engine.in_flight - engine.queued)
-            self.cap = max(self.config.min_batch, math.ceil(running) + buffer)
+            self.cap = max(self.config.min_batch, math.ceil(engine.running) + buffer)
         elif self.cap is not None and 2 * engine.queued <= buffer:
             step = max(buffer, math.ceil(self.config.gains.engine_growth_frac * self.cap))
             grown = max(self.cap, in_flight) + step

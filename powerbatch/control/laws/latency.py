@@ -105,6 +105,13 @@ class LatencyLaw:
             over = engine.token_s is not None and ratio > 1.0 and now > 1.0
             ready = self._hold_scrapes == 0
             near = now > 1.0 - REGROW_BAND
+            if not over:
+                self._cut = None  # under the SLO: the cuts paid, or the load moved
+                self._futile_memory_s = FUTILE_MEMORY_S
+            elif ready and self._futile(t_s, engine, engine.step_s):
+                ready = False
+            elif ready and self._cut is None:  # the cuts begin here
+                self._cut = _Cut(self.batch, engine.in_flight, _running(engine), engine.step_s)
         else:
             tpot = lat.tpot_p95_s if lat else None
             if tpot is None:
@@ -112,22 +119,10 @@ class LatencyLaw:
                 return
             ratio = tpot / slo_s
             over, ready, near = ratio > 1.0, t_s >= self._hold_until_s, False
-        if over and by_engine:
-            assert engine is not None and engine.step_s is not None
-            if ready and self._futile(t_s, engine):
-                ready = False
-        elif by_engine:
-            self._cut = None  # under the SLO: the cuts paid, or the load moved
-            self._futile_memory_s = FUTILE_MEMORY_S
         if over:
             if ready:
                 if by_engine:
-                    assert engine is not None and engine.step_s is not None
                     self._hold_scrapes = FAST_HOLD_SCRAPES
-                    if self._cut is None:
-                        self._cut = _Cut(
-                            self.batch, engine.in_flight, _running(engine), engine.step_s
-                        )
                 else:
                     self._hold_until_s = t_s + g.latency_hold_s
                 self.multiplier += g.latency_gain * (ratio - 1.0)
@@ -140,27 +135,26 @@ class LatencyLaw:
                 self.batch = min(float(cfg.max_batch), regrown)
         self.batch = max(float(cfg.min_batch), self.batch)
 
-    def _futile(self, t_s: float, engine: EngineLoad) -> bool:
+    def _futile(self, t_s: float, engine: EngineLoad, step_s: float) -> bool:
         """Whether cutting now cannot bring the step under the SLO (see the module's last
         paragraph); on the first such judgement the cap goes back to where the cuts began."""
         if t_s < self._futile_until_s:
             return True
         cut = self._cut
-        assert engine.step_s is not None
         running = _running(engine)
         if cut is None or cut.running < JUDGE_FALL * running:
             return False
         if cut.admitted < JUDGE_FALL * engine.in_flight:
             return False  # the engine queues more (a prefill backlog): not the cuts' doing
-        per_request_s = (cut.step_s - engine.step_s) / (cut.running - running)
-        fixed_s = engine.step_s - per_request_s * running
+        per_request_s = (cut.step_s - step_s) / (cut.running - running)
+        fixed_s = step_s - per_request_s * running
         slo_s = self.config.tpot_slo_s
         needed = (slo_s - fixed_s) / per_request_s if per_request_s > 0 else 0.0
         if needed >= self.config.min_batch:
             return False
         self.last_undo = (
             f"admitted {cut.admitted} -> {engine.in_flight}, running {cut.running:.0f} -> "
-            f"{running:.0f}, step {1000 * cut.step_s:.1f} -> {1000 * engine.step_s:.1f} ms "
+            f"{running:.0f}, step {1000 * cut.step_s:.1f} -> {1000 * step_s:.1f} ms "
             f"(SLO {1000 * slo_s:.1f} ms): no batch meets it; cap back to {cut.cap:.0f} for "
             f"{self._futile_memory_s:.0f} s"
         )
@@ -189,5 +183,5 @@ class LatencyLaw:
 
 
 def _running(engine: EngineLoad) -> float:
-    """The engine's running batch: what it admitted less what it queues."""
-    return max(engine.in_flight - engine.queued, 1.0)
+    """The running batch, at least one request."""
+    return max(engine.running, 1.0)
