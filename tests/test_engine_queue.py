@@ -11,7 +11,7 @@ from conftest import run, serve
 
 from powerbatch.cli.serve import build
 from powerbatch.cli.settings import SERVE
-from powerbatch.proxy.engine_queue import GENERATED_KEPT_S, MISSES_KEPT, EngineQueue
+from powerbatch.control.engine_queue import GENERATED_KEPT_S, MISSES_KEPT, EngineQueue
 from powerbatch.settings import load
 from powerbatch.sim import SimEngine
 from powerbatch.sim.server import start_sim_server

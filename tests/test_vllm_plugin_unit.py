@@ -295,6 +295,92 @@ def test_slow_decode_steps_shrink_the_batch_under_the_ceiling() -> None:
     assert status["tpot_p95_s"] == pytest.approx(0.2) and status["tpot_slo_s"] == 0.1
 
 
+class FakeTime:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _engine_run(
+    fixed_s: float, per_request_s: float, seconds: float, tpot_slo_s: float = 0.1
+) -> ControlThread:
+    """A decode-only engine under `schedule()`'s cap, in fake time: requests of 40 tokens from
+    an endless queue, started while the running set is under the plugin's active-request
+    limit, each step `fixed_s + per_request_s x running` long; a tick every 0.2 s."""
+    clock = FakeTime()
+    cfg = plugin_config(
+        ceiling_w=500, mode="enforce", warmup_s=0.0, metrics_port=0, initial_batch=32,
+        tpot_slo_s=tpot_slo_s,
+    )  # fmt: skip
+    ct = ControlThread(cfg, CAPS, StepStats(clock=clock), source=Watts(300.0))
+    left: dict[str, int] = {}
+    n, next_tick = 0, clock.t + 0.2
+    while clock.t < 1000.0 + seconds:
+        new = {}
+        while len(left) < ct.limits.max_active_reqs:
+            req_id, n = f"r{n}", n + 1
+            ct.stats.record_arrival(req_id, "normal")
+            left[req_id], new[req_id] = 40, "normal"
+        done = [r for r, k in left.items() if k <= 1]
+        ct.stats.record_requests({r: (0, 1) for r in left}, new, finished=done)
+        running = len(left)
+        ct.stats.record(
+            running=running,
+            waiting=10,
+            decode_reqs=running,
+            decode_tokens=running,
+            prefill_tokens=0,
+            kv_blocks_used=100,
+            t_s=clock.t,
+        )
+        left = {r: k - 1 for r, k in left.items() if k > 1}
+        clock.t += fixed_s + per_request_s * running
+        while clock.t >= next_tick:
+            asyncio.run(ct.monitor.poll_once())
+            ct.tick(next_tick)
+            next_tick += 0.2
+    return ct
+
+
+def test_the_engines_step_tells_a_cut_no_batch_can_pay_for_from_one_that_pays() -> None:
+    # A step of 150 ms however small the batch (the weights' read alone is over the 100-ms
+    # SLO): the latency law reads the step from the engine's counts, sees the cuts buy
+    # nothing, and gives the batch back (docs/scenarios.md, stop 47), where a window's p95
+    # had wound it down to one request.
+    futile = _engine_run(fixed_s=0.15, per_request_s=0.0005, seconds=60.0)
+    status = futile.status()["latency"]
+    assert status["cuts_undone_total"] >= 1
+    assert futile.limits.max_active_reqs >= 16
+    # A step of 2 ms per request: 50 requests' worth over the SLO at 64, so the cuts pay and
+    # hold the batch where the step meets it.
+    paying = _engine_run(fixed_s=0.02, per_request_s=0.002, seconds=60.0)
+    assert paying.status()["latency"]["cuts_undone_total"] == 0
+    assert 20 <= paying.limits.max_active_reqs <= 44
+    assert paying.stats.step_s is not None and paying.stats.step_s < 0.11
+    engine = paying.status()["engine"]
+    assert engine["step_s"] == pytest.approx(paying.stats.step_s, rel=0.2)
+    assert engine["token_s"] == pytest.approx(engine["step_s"], rel=0.2)
+
+
+def test_step_stats_count_what_a_scrape_of_vllm_would() -> None:
+    s = StepStats()
+    s.record_arrival("a", "normal")
+    s.record_arrival("b", "high")
+    s.record_requests({"a": (30, 0), "b": (30, 0)}, {"a": "normal", "b": "high"})
+    for t in (10.0, 10.02, 10.05):  # two decoding, 20 then 30 ms apart
+        s.record(
+            running=2, waiting=0, decode_reqs=2, decode_tokens=2, prefill_tokens=0,
+            kv_blocks_used=4, t_s=t,
+        )  # fmt: skip
+    s.record_requests({"a": (0, 1)}, {}, finished=["a"])
+    up = s.upstream(11.0)
+    assert up.t_s == 11.0 and up.requests_waiting == 0.0 and up.requests_started_total == 2.0
+    assert up.itl_count == 4.0 and up.itl_sum_s == pytest.approx(2 * 0.02 + 2 * 0.03)
+    assert up.decode_count == 1.0 and up.decode_sum_s == up.itl_sum_s
+
+
 def test_observe_mode_leaves_vllm_alone() -> None:
     ct = _thread("observe", Watts(650.0))
     _drive(ct, 5, running=32)

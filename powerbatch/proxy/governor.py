@@ -26,11 +26,11 @@ from powerbatch.control import (
 from powerbatch.control.clock import Boost
 from powerbatch.control.config import ClockPolicy
 from powerbatch.control.controller import Controller
+from powerbatch.control.engine_queue import EngineQueue
 from powerbatch.control.loop import CeilingSource, ControlLoop, HostSample, LimitsSink, PlanSource
 from powerbatch.control.record import TickRecord
 from powerbatch.energy.accounting import EnergyAccounting
 from powerbatch.energy.settings import EnergySettings
-from powerbatch.proxy.engine_queue import EngineQueue
 from powerbatch.proxy.metrics import ProxyMetrics
 from powerbatch.shape.tracker import ShapeTracker
 from powerbatch.telemetry import PowerMonitor, UpstreamMetricsScraper, UpstreamSignals

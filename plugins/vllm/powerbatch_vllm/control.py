@@ -17,12 +17,14 @@ import dataclasses
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from powerbatch.control import ControlConfig, Decision, LatencySnapshot
 from powerbatch.control.clock import Boost
 from powerbatch.control.controller import Controller
+from powerbatch.control.engine_queue import EngineQueue
 from powerbatch.control.loop import ControlLoop, HostSample
 from powerbatch.control.record import open_trace
 from powerbatch.energy.accounting import EnergyAccounting
@@ -73,14 +75,31 @@ def make_power_source(
 
 
 class EngineFeatures:
-    """The engine's exact counts as the loop's feature source."""
+    """The engine's exact counts as the loop's feature source. Once every `SCRAPE_S` its step
+    counters go through the proxy's `EngineQueue`, as the proxy's scrape of vLLM's metrics
+    does: the latency law then reads the step now and a request's TPOT to come (and judges
+    its cuts by them), not a window's p95 of steps a shrunk batch no longer runs."""
+
+    SCRAPE_S = 1.0  # the proxy's scrape period: the latency law's holds count these
 
     def __init__(
-        self, stats: StepStats, caps: EngineCaps, metrics: PluginMetrics, sink: EngineSink
+        self,
+        stats: StepStats,
+        caps: EngineCaps,
+        metrics: PluginMetrics,
+        sink: EngineSink,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stats, self.caps, self.metrics, self.sink = stats, caps, metrics, sink
+        self.clock = clock
+        self.engine = EngineQueue()
+        self._scraped_s = -math.inf
 
     def sample(self) -> HostSample:
+        now = self.clock()
+        if now - self._scraped_s >= self.SCRAPE_S:
+            self._scraped_s = now
+            self.engine.update(self.stats.upstream(now), 0, self.stats.running)
         snap = self.stats.snapshot()
         usage = snap["kv_blocks_used"] / max(self.caps.num_kv_blocks, 1)
         m = self.metrics
@@ -96,6 +115,7 @@ class EngineFeatures:
             prefill_tokens_total=snap["prefill_tokens_total"],
             decode_tokens_total=snap["decode_tokens_total"],
             kv_cache_usage=usage,
+            engine=self.engine.load,
             queued_deferrable=self.stats.queued_deferrable,
         )
 
@@ -125,6 +145,10 @@ class EngineFeatures:
                     "block_size": caps.block_size,
                 },
                 "counters": dict(snap),
+                # What the TPOT law reads, as of the last second's counts: a running request's
+                # time per token to come and the step now (the proxy's `upstream` pair).
+                "token_s": load.token_s if (load := self.engine.load) else None,
+                "step_s": load.step_s if load else None,
                 # What the shape planner reads: arrivals by class (vLLM's priority), requests
                 # finished after running, and those not yet scheduled, by class.
                 "requests": {
@@ -226,7 +250,7 @@ class ControlThread:
         m.engine_configured.labels("step_tokens").set(caps.max_step_tokens)
         m.engine_configured.labels("kv_blocks").set(caps.num_kv_blocks)
         self.sink = EngineSink(cfg, self.control, caps, stats, m)
-        self.features = EngineFeatures(stats, caps, m, self.sink)
+        self.features = EngineFeatures(stats, caps, m, self.sink, clock=stats.clock)
         # A fleet member's Redis task runs on this thread's loop, started by the first tick.
         member = join(cfg.fleet, cfg.engine.metrics_port + dp_rank)
         self.energy = _energy_accounting(self, model_name)

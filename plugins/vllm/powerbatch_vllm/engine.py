@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from powerbatch.control import AdmissionLimits, LatencySnapshot, LatencyWindow, QueueCounts
+from powerbatch.telemetry import UpstreamSignals
 from powerbatch.telemetry.filters import ewma_step
 
 # vLLM's priorities are integers with no names; the controller's TTFT p95 counts these classes.
@@ -108,7 +109,7 @@ class StepStats:
         self, clock: Callable[[], float] = time.monotonic, latency_window_s: float = 30.0
     ) -> None:
         self._lock = threading.Lock()
-        self._clock = clock
+        self.clock = clock
         # TTFT per request (arrival to first token) and TPOT per decode step (the interval
         # between busy steps is every running decode's time to its next token).
         self._latency = LatencyWindow(latency_window_s)
@@ -121,6 +122,10 @@ class StepStats:
         self.kv_blocks_used = 0
         self.kv_committed_tokens = 0
         self.step_s: float | None = None  # EWMA of the interval between busy steps
+        # What vLLM's inter-token latency histogram sums and counts (each decoding request
+        # waited the interval for its token), kept exactly: the latency law's step (`upstream`).
+        self.itl_sum_s = 0.0
+        self.itl_count = 0
         self._last_busy_t: float | None = None
         # Per-request work since the last `take_requests()`, for energy attribution.
         self._req_work: dict[str, list[int]] = {}  # req_id -> [prefill, decode]
@@ -136,6 +141,7 @@ class StepStats:
         self._unstarted: dict[str, str] = {}  # req_id -> class
         self._queued = dict.fromkeys(CLASSES, 0)
         self._completed = 0
+        self._started = 0
         # window sums since the last `take_window()`
         self._w_steps = 0
         self._w_decode_reqs = 0
@@ -155,7 +161,7 @@ class StepStats:
         t_s: float | None = None,
     ) -> None:
         """One scheduled step; called by `schedule()`, so it only adds and assigns."""
-        now = self._clock() if t_s is None else t_s
+        now = self.clock() if t_s is None else t_s
         busy = decode_tokens + prefill_tokens > 0
         with self._lock:
             self.running, self.waiting, self.kv_blocks_used = running, waiting, kv_blocks_used
@@ -179,6 +185,8 @@ class StepStats:
                     self.step_s = ewma_step(self.step_s, dt, 0.1)
                     if decode_reqs:
                         self._latency.record(now, LATENCY_CLASS, None, dt)
+                        self.itl_sum_s += dt * decode_reqs
+                        self.itl_count += decode_reqs
             self._last_busy_t = now
 
     def step_done(self) -> None:
@@ -227,7 +235,28 @@ class StepStats:
         if cls is None:
             return False
         self._queued[cls] -= 1
+        self._started += 1
         return True
+
+    def upstream(self, t_s: float) -> UpstreamSignals:
+        """The counters a scrape of vLLM's metrics gives the proxy, exact, for the same
+        `EngineQueue` (powerbatch.control.engine_queue): the step's inter-token latency sums,
+        starts, and completions against the decode time summed over every request (their
+        ratio is a request's mean decode time, the horizon its TPOT averages over). Nothing
+        waits in the engine's queue as far as the engine law knows: `schedule()` applies the
+        cap on the running set itself, so vLLM's waiting queue is admission's queue here."""
+        with self._lock:
+            return UpstreamSignals(
+                requests_running=float(self.running),
+                requests_waiting=0.0,
+                kv_cache_usage=None,
+                t_s=t_s,
+                requests_started_total=float(self._started),
+                itl_sum_s=self.itl_sum_s,
+                itl_count=float(self.itl_count),
+                decode_sum_s=self.itl_sum_s,
+                decode_count=float(self._completed),
+            )
 
     def queue_counts(self) -> QueueCounts:
         """What the shape planner reads (powerbatch.shape.runner): cumulative arrivals per
@@ -252,7 +281,7 @@ class StepStats:
 
     def record_first_tokens(self, ttfts_s: list[float], t_s: float | None = None) -> None:
         """Times to first token of requests whose first token the last step produced."""
-        now = self._clock() if t_s is None else t_s
+        now = self.clock() if t_s is None else t_s
         with self._lock:
             for ttft in ttfts_s:
                 if ttft >= 0.0:

@@ -1,4 +1,6 @@
-"""The upstream engine's own queue and start rate, from its scraped metrics.
+"""The upstream engine's own queue, start rate and step, from its counters: the proxy's scrape of
+vLLM's metrics, or the vLLM plugin's own step counts (powerbatch_vllm.engine.StepStats), the
+same counters kept exactly.
 
 vLLM schedules its running requests first and then, while the step's token budget and free KV
 blocks allow, its waiting queue in arrival order (vllm/v1/core/sched/scheduler.py): a request
@@ -38,7 +40,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from powerbatch.control import EngineLoad
+from powerbatch.control.types import EngineLoad
 from powerbatch.telemetry import UpstreamSignals
 from powerbatch.telemetry.filters import ewma_step
 
