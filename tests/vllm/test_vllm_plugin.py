@@ -369,8 +369,15 @@ def test_scheduler_plugin_holds_ceiling_in_real_vllm() -> None:
         assert 0.5 * itl <= med(heavy, "tpot_p95_s") <= 5.0 * itl + 0.05, (itl, own)
 
         status = json.loads(_get(server.plugin_url + "/status"))
+        (OUT / "plugin-status.json").write_text(json.dumps(status, indent=1))
         assert status["power"]["source"].startswith("model")
         assert status["engine"]["configured"]["max_active_reqs"] == MAX_NUM_SEQS
+        # The step the TPOT law reads (the engine's counters through the proxy's EngineQueue,
+        # as the proxy reads vLLM's inter-token latency histogram) is the step vLLM timed.
+        itl_light = vllm_latency(sampler.rows, LIGHT.name)["inter_token_latency"]
+        step_s = status["engine"]["step_s"]
+        assert itl_light is not None and step_s is not None, status["engine"]
+        assert itl_light / 3 <= step_s <= 3 * itl_light, (step_s, itl_light)
 
 
 def test_proxy_in_front_of_real_vllm_holds_ceiling() -> None:
