@@ -84,6 +84,8 @@ def test_the_time_per_token_is_the_inter_token_latency_over_a_requests_decode_ti
     q.update(at(0.5, 325.0, 5_250.0, 7), admitted=40, in_flight=40)
     # No request has finished since the proxy began: no decode time to average over.
     assert q.load is not None and q.load.token_s is None and q.load.step_s == pytest.approx(0.1)
+    # 25 request-seconds waited for tokens in 0.5 s: 50 requests decoding, the step's batch.
+    assert q.load.step_batch == pytest.approx(50.0)
     q.update(at(1.0, 350.0, 5_500.0, 9), admitted=60, in_flight=60)
     # 250 tokens after a first in 0.5 s, 25 s waited for them: 0.1 s a token.
     assert q.load is not None and q.load.token_s == pytest.approx(0.1)
@@ -92,12 +94,14 @@ def test_the_time_per_token_is_the_inter_token_latency_over_a_requests_decode_ti
     # average over a 10-s decode a little.
     q.update(at(2.0, 400.0, 5_600.0, 9), admitted=60, in_flight=60)
     assert q.load is not None and q.load.step_s == pytest.approx(0.1 + 0.3 * 0.4)
+    assert q.load.step_batch == pytest.approx(50.0)  # 50 request-seconds in 1 s: still 50
     keep, first = math.exp(-0.1), math.exp(-0.05)
     average = (keep * (first * 25.0 + 25.0) + 50.0) / (keep * (first * 250.0 + 250.0) + 100.0)
     assert q.load.token_s == pytest.approx(average)
     assert q.load.token_s < 0.2
     q.update(at(3.0, 1.0, 10.0, 0), admitted=60, in_flight=5)  # the engine restarted
     assert q.load is not None and q.load.token_s is None and q.load.step_s is None
+    assert q.load.step_batch is None
     q.update(UpstreamSignals(5, 0, 0.5, 4.0, 4.0), admitted=60, in_flight=5)
     assert q.load is not None and q.load.token_s is None  # an engine without the histogram
 

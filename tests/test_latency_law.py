@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 from powerbatch.control import ControlConfig, EngineLoad, LatencySnapshot
@@ -117,7 +118,8 @@ def test_cuts_that_cannot_reach_the_slo_are_undone_and_backed_off(
     memory = int(FUTILE_MEMORY_S)
     # Tried again after the memory, then after twice it: three tries in 150 s, each undone.
     assert sorted(starts) == [0, ends[0] + memory, ends[1] + 2 * memory]
-    assert len(ends) == 3 and sum(cut) < 20
+    # Each try cuts until the batch has halved: three cuts of a quarter, three scrapes apart.
+    assert len(ends) == 3 and sum(cut) < 30
     assert ll.multiplier == 0.0  # latency is not what binds: no batch buys it
     assert ll.status(150.0)["cuts_undone_total"] == 3
     assert "no batch meets it" in ll.last_undo
@@ -135,9 +137,27 @@ def test_cuts_that_pay_go_on_until_the_step_is_inside_the_slo(
     step_of: Callable[[int], float], slo_batch: int
 ) -> None:
     ll = law()
-    caps = _drive(ll, step_of, 90)
-    assert max(caps[40:]) <= 1.1 * slo_batch  # cut down to the SLO's batch, and kept there
+    caps = _drive(ll, step_of, 120)
+    assert ll.status(120.0)["cuts_undone_total"] == 0  # no cut taken for one that cannot pay
+    assert max(caps[90:]) <= 1.1 * slo_batch  # cut down to the SLO's batch, and kept there
     assert min(caps) >= 0.6 * slo_batch
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_noisy_step_that_grows_less_than_in_proportion_is_cut_not_given_up(seed: int) -> None:
+    # A real vLLM's step (CPU build: 12 ms at 1 request, 18 at 15, 27 at 46) grows less than
+    # in proportion, and its one-second mean moves by a few %: a line through a 10 % fall read
+    # a 20-ms SLO it meets at about 20 requests as out of reach (docs/vllm-plugin.md), and
+    # failed 4 of these 10 seeds so (JUDGE_FALL 1.1). Here the SLO is met at 65 requests of 200.
+    rng = np.random.default_rng(seed)
+
+    def step_of(b: int) -> float:
+        return SLO_S * (0.55 + 0.0197 * b**0.75) * (1.0 + 0.03 * float(rng.standard_normal()))
+
+    ll = law()
+    caps = _drive(ll, step_of, 120)
+    assert ll.status(120.0)["cuts_undone_total"] == 0
+    assert max(caps[90:]) <= 1.1 * 65
 
 
 def test_a_batch_the_engine_queues_is_not_taken_for_a_cut_that_failed() -> None:

@@ -69,6 +69,7 @@ class EngineQueue:
         self._decoded: tuple[float, float] | None = None  # (decode time sum, count)
         self._itl = (0.0, 0.0)  # the ITL sum's and count's rises, averaged over the horizon
         self._step_s: float | None = None  # the last intervals' mean ITL
+        self._step_batch: float | None = None  # and the requests decoding over them
         self._horizon_s: float | None = None  # a request's decode time, once one has finished
         self._generated: deque[tuple[float, float]] = deque()  # (t_s, tokens generated ever)
 
@@ -98,6 +99,7 @@ class EngineQueue:
                 self.token_s,
                 self._step_s,
                 tuple(self._generated),
+                self._step_batch,
             )
 
     def _update_generated(self, t_s: float, total: float | None) -> None:
@@ -112,7 +114,7 @@ class EngineQueue:
 
     def _update_token_s(self, up: UpstreamSignals) -> None:
         if up.itl_sum_s is None or up.itl_count is None or up.t_s is None:
-            self._tokens, self._itl, self._step_s = None, (0.0, 0.0), None
+            self._tokens, self._itl, self._step_s, self._step_batch = None, (0.0, 0.0), None, None
             return
         last, self._tokens = self._tokens, (up.t_s, up.itl_sum_s, up.itl_count)
         decoded, self._decoded = self._decoded, None
@@ -123,6 +125,7 @@ class EngineQueue:
         count, total_s = up.itl_count - last[2], up.itl_sum_s - last[1]
         if count < 0 or total_s < 0:  # the engine restarted: its counts begin again
             self._itl, self._step_s, self._horizon_s = (0.0, 0.0), None, None
+            self._step_batch = None
             return
         if decoded is not None and self._decoded is not None:
             finished = self._decoded[1] - decoded[1]
@@ -134,6 +137,11 @@ class EngineQueue:
         self._itl = (keep * self._itl[0] + total_s, keep * self._itl[1] + count)
         if count > 0:
             self._step_s = ewma_step(self._step_s, total_s / count, RATE_WEIGHT)
+            # The ITL sum's rise over the interval is the request-seconds spent waiting for
+            # tokens: over the interval's length, the requests decoding through it, averaged
+            # as the step is, so the two are one point of the step against the batch.
+            batch = total_s / (up.t_s - last[0])
+            self._step_batch = ewma_step(self._step_batch, batch, RATE_WEIGHT)
 
     @property
     def token_s(self) -> float | None:

@@ -98,6 +98,10 @@ class EngineLoad:
     token_s: float | None = None
     step_s: float | None = None
     generated: tuple[tuple[float, float], ...] = ()
+    step_batch: float | None = None
+    """The requests decoding over the scrapes `step_s` averages, averaged the same way: with
+    `step_s`, one point of the step against the batch (the running count now leads a step
+    average that is seconds behind a cut)."""
 
     @property
     def running(self) -> float:

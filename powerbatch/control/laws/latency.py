@@ -25,7 +25,7 @@ power law's step): the ceiling always wins.
 A cut is judged by what it bought. A step is a fixed part (the weights' read; a long prompt's
 prefill where every step carries one) and a part per running request (their KV reads and
 compute): the roofline's shape, and vLLM's inter-token latency grows about so with the batch.
-Once the running batch and what the proxy admitted have both fallen by `JUDGE_FALL` since the
+Once the running batch and what the proxy admitted have both halved (`JUDGE_FALL`) since the
 cuts began, the line through the step then and now says which batch would meet the SLO:
 (SLO − fixed part) / per-request part. Where that is under `min_batch` (or the step did not
 fall) no batch meets it, so the cuts only gave tokens away: the cap goes back to where they
@@ -47,9 +47,11 @@ FAST_HOLD_SCRAPES = 3
 (`engine_queue.RATE_WEIGHT`, 0.3 a scrape) shows most of a shrink within three."""
 REGROW_BAND = 0.1
 """The cap regrows only while the step now is under (1 − this) of the TPOT SLO."""
-JUDGE_FALL = 1.1
-"""A cut is judged once the running batch and what the proxy admitted both fell by this factor:
-a smaller fall is lost in the step's noise."""
+JUDGE_FALL = 2.0
+"""A cut is judged once the running batch and what the proxy admitted both fell by this factor.
+Over a smaller fall the step's noise and its curvature decide: a real vLLM (CPU build, the
+plugin) moved its step by about its one-second noise over a 10 % fall, and the line through it
+read a 20-ms SLO the engine meets at about 20 requests as out of reach (docs/vllm-plugin.md)."""
 FUTILE_MEMORY_S = 30.0
 """After cuts that could not reach the SLO, the engine's measure cuts nothing this long (a
 latency window's worth: the load's shape may have moved by then), doubling while they keep
@@ -183,5 +185,7 @@ class LatencyLaw:
 
 
 def _running(engine: EngineLoad) -> float:
-    """The running batch, at least one request."""
-    return max(engine.running, 1.0)
+    """The batch the step was measured at, at least one request: the requests decoding over
+    the step's own scrapes where the engine says, else the running count now."""
+    batch = engine.running if engine.step_batch is None else engine.step_batch
+    return max(batch, 1.0)
