@@ -84,12 +84,19 @@ def test_with_no_average_yet_the_step_alone_shrinks_nothing_and_the_p95_is_not_r
     assert ll.batch == 256
 
 
-def _drive(ll: LatencyLaw, step_of: Callable[[int], float], seconds: int) -> list[float]:
+def _drive(
+    ll: LatencyLaw,
+    step_of: Callable[[int], float],
+    seconds: int,
+    demand: int = 200,
+    reserve: int = 0,
+) -> list[float]:
     """A plant scraped once a second under a demand of 200 requests: the engine runs
-    min(cap, 200), its step is step_of(running), and a request's average is the step."""
+    min(cap, 200) (at least `reserve`: the top class's slots beyond the cap), its step is
+    step_of(running), and a request's average is the step."""
     caps = []
     for k in range(seconds):
-        running = min(int(ll.batch), 200)
+        running = max(min(int(ll.batch), demand), reserve)
         step_s = step_of(running)
         ll.update(float(k), None, running, EngineLoad(0, running, 10.0, float(k), step_s, step_s))
         caps.append(ll.batch)
@@ -123,6 +130,16 @@ def test_cuts_that_cannot_reach_the_slo_are_undone_and_backed_off(
     assert ll.multiplier == 0.0  # latency is not what binds: no batch buys it
     assert ll.status(150.0)["cuts_undone_total"] == 3
     assert "no batch meets it" in ll.last_undo
+
+
+def test_cuts_that_begin_at_a_small_batch_are_undone_at_the_floor() -> None:
+    # Three requests (a warm-up's), two of them always running (the top class's reserve),
+    # a step over the SLO at any batch: the running batch cannot halve, so the line is never
+    # drawn; once the cap is at min_batch, the step there, still over, is the proof.
+    ll = law()
+    caps = _drive(ll, lambda b: SLO_S * (1.2 + 0.01 * b), 30, demand=3, reserve=2)
+    assert ll.status(30.0)["cuts_undone_total"] == 1
+    assert int(min(caps)) == 1 and caps[-1] >= 3  # cut to the floor (as enforced), given back
 
 
 @pytest.mark.parametrize(

@@ -26,11 +26,12 @@ A cut is judged by what it bought. A step is a fixed part (the weights' read; a 
 prefill where every step carries one) and a part per running request (their KV reads and
 compute): the roofline's shape, and vLLM's inter-token latency grows about so with the batch.
 Once the running batch and what the proxy admitted have both halved (`JUDGE_FALL`) since the
-cuts began, the line through the step then and now says which batch would meet the SLO:
-(SLO − fixed part) / per-request part. Where that is under `min_batch` (or the step did not
-fall) no batch meets it, so the cuts only gave tokens away: the cap goes back to where they
-began and the engine's measure cuts nothing for `FUTILE_MEMORY_S`, twice as long after each
-such judgement until the step is back under the SLO; then one cut tries again.
+cuts began, the line through the step then and now (each against the batch it was averaged
+over) says which batch would meet the SLO: (SLO − fixed part) / per-request part. Where that is
+under `min_batch` (or the step did not fall), or the cap is at `min_batch` and the step still
+over the SLO, no batch meets it, so the cuts only gave tokens away: the cap goes back to where
+they began and the engine's measure cuts nothing for `FUTILE_MEMORY_S`, twice as long after
+each such judgement until the step is back under the SLO; then one cut tries again.
 """
 
 from __future__ import annotations
@@ -143,17 +144,22 @@ class LatencyLaw:
         if t_s < self._futile_until_s:
             return True
         cut = self._cut
+        if cut is None:
+            return False
         running = _running(engine)
-        if cut is None or cut.running < JUDGE_FALL * running:
-            return False
-        if cut.admitted < JUDGE_FALL * engine.in_flight:
-            return False  # the engine queues more (a prefill backlog): not the cuts' doing
-        per_request_s = (cut.step_s - step_s) / (cut.running - running)
-        fixed_s = step_s - per_request_s * running
         slo_s = self.config.tpot_slo_s
-        needed = (slo_s - fixed_s) / per_request_s if per_request_s > 0 else 0.0
-        if needed >= self.config.min_batch:
-            return False
+        if int(self.batch) > self.config.min_batch:  # cuts left to make: judge them by the line
+            if cut.running < JUDGE_FALL * running:
+                return False
+            if cut.admitted < JUDGE_FALL * engine.in_flight:
+                return False  # the engine queues more (a prefill backlog): not the cuts' doing
+            per_request_s = (cut.step_s - step_s) / (cut.running - running)
+            fixed_s = step_s - per_request_s * running
+            needed = (slo_s - fixed_s) / per_request_s if per_request_s > 0 else 0.0
+            if needed >= self.config.min_batch:
+                return False
+        # else the cap is at `min_batch` and the step is still over: measured, not drawn
+        # (cuts that began at a small batch, the warm-up's, cannot halve it)
         self.last_undo = (
             f"admitted {cut.admitted} -> {engine.in_flight}, running {cut.running:.0f} -> "
             f"{running:.0f}, step {1000 * cut.step_s:.1f} -> {1000 * step_s:.1f} ms "
