@@ -132,6 +132,17 @@ def test_cuts_that_cannot_reach_the_slo_are_undone_and_backed_off(
     assert "no batch meets it" in ll.last_undo
 
 
+def test_a_step_that_grows_faster_than_the_batch_is_judged_by_the_latest_halving() -> None:
+    # A roofline's step: flat at small batches (the weights' read, 1.15x the SLO by itself),
+    # steep at large ones. A line from where the cuts began (200 requests) underrates the fixed
+    # part ever more as the batch falls, and gave up only near the floor; the line over the
+    # latest halving sees the flat part while the batch is still in the forties.
+    ll = law()
+    caps = _drive(ll, lambda b: SLO_S * (1.15 + 1.5 * (b / 200) ** 2), 60)
+    assert ll.status(60.0)["cuts_undone_total"] == 1
+    assert min(caps) >= 40
+
+
 def test_cuts_that_begin_at_a_small_batch_are_undone_at_the_floor() -> None:
     # Three requests (a warm-up's), two of them always running (the top class's reserve),
     # a step over the SLO at any batch: the running batch cannot halve, so the line is never

@@ -26,8 +26,9 @@ A cut is judged by what it bought. A step is a fixed part (the weights' read; a 
 prefill where every step carries one) and a part per running request (their KV reads and
 compute): the roofline's shape, and vLLM's inter-token latency grows about so with the batch.
 Once the running batch and what the proxy admitted have both halved (`JUDGE_FALL`) since the
-cuts began, the line through the step then and now (each against the batch it was averaged
-over) says which batch would meet the SLO: (SLO − fixed part) / per-request part. Where that is
+cuts began, the line through the step now and at the latest cut a halving or more above it
+(each against the batch it was averaged over) says which batch would meet the SLO: (SLO −
+fixed part) / per-request part. Where that is
 under `min_batch` (or the step did not fall), or the cap is at `min_batch` and the step still
 over the SLO, no batch meets it, so the cuts only gave tokens away: the cap goes back to where
 they began and the engine's measure cuts nothing for `FUTILE_MEMORY_S`, twice as long after
@@ -61,13 +62,20 @@ failing."""
 
 @dataclass(slots=True)
 class _Cut:
-    """Where the engine's measure began cutting: the cap before, what the proxy had admitted, the
-    engine's running batch and its step then."""
+    """Where the engine's measure began cutting (the cap before, what the proxy had admitted),
+    and the (batch, step) it measured at each of its cuts since, oldest first."""
 
     cap: float
     admitted: int
-    running: float
-    step_s: float
+    points: list[tuple[float, float]]
+
+    def above(self, running: float) -> tuple[float, float] | None:
+        """The latest point a halving (`JUDGE_FALL`) or more above `running`: on a step that
+        grows faster than in proportion (a roofline's), a line from the cuts' first point
+        underrates the fixed part ever more as the batch falls; the latest such point gives
+        the most local line the step's noise allows."""
+        far = [p for p in self.points if p[0] >= JUDGE_FALL * running]
+        return far[-1] if far else None
 
 
 class LatencyLaw:
@@ -113,8 +121,12 @@ class LatencyLaw:
                 self._futile_memory_s = FUTILE_MEMORY_S
             elif ready and self._futile(t_s, engine, engine.step_s):
                 ready = False
-            elif ready and self._cut is None:  # the cuts begin here
-                self._cut = _Cut(self.batch, engine.in_flight, _running(engine), engine.step_s)
+            elif ready:  # a cut comes: note where it was measured
+                point = (_running(engine), engine.step_s)
+                if self._cut is None:  # the cuts begin here
+                    self._cut = _Cut(self.batch, engine.in_flight, [point])
+                else:
+                    self._cut.points.append(point)
         else:
             tpot = lat.tpot_p95_s if lat else None
             if tpot is None:
@@ -148,12 +160,14 @@ class LatencyLaw:
             return False
         running = _running(engine)
         slo_s = self.config.tpot_slo_s
+        first = cut.points[0]
+        then = cut.above(running)
         if int(self.batch) > self.config.min_batch:  # cuts left to make: judge them by the line
-            if cut.running < JUDGE_FALL * running:
+            if then is None:
                 return False
             if cut.admitted < JUDGE_FALL * engine.in_flight:
                 return False  # the engine queues more (a prefill backlog): not the cuts' doing
-            per_request_s = (cut.step_s - step_s) / (cut.running - running)
+            per_request_s = (then[1] - step_s) / (then[0] - running)
             fixed_s = step_s - per_request_s * running
             needed = (slo_s - fixed_s) / per_request_s if per_request_s > 0 else 0.0
             if needed >= self.config.min_batch:
@@ -161,8 +175,8 @@ class LatencyLaw:
         # else the cap is at `min_batch` and the step is still over: measured, not drawn
         # (cuts that began at a small batch, the warm-up's, cannot halve it)
         self.last_undo = (
-            f"admitted {cut.admitted} -> {engine.in_flight}, running {cut.running:.0f} -> "
-            f"{running:.0f}, step {1000 * cut.step_s:.1f} -> {1000 * step_s:.1f} ms "
+            f"admitted {cut.admitted} -> {engine.in_flight}, running {first[0]:.0f} -> "
+            f"{running:.0f}, step {1000 * first[1]:.1f} -> {1000 * step_s:.1f} ms "
             f"(SLO {1000 * slo_s:.1f} ms): no batch meets it; cap back to {cut.cap:.0f} for "
             f"{self._futile_memory_s:.0f} s"
         )
