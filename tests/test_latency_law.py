@@ -143,6 +143,15 @@ def test_a_step_that_grows_faster_than_the_batch_is_judged_by_the_latest_halving
     assert min(caps) >= 40
 
 
+def test_a_few_requests_a_little_over_the_slo_are_cut_a_request_at_a_time() -> None:
+    # Five requests running (a warm-up's, the top class's reserve slots beyond the cap), each
+    # step 1.25x the SLO: a cut of a quarter of the excess is 6 % of the cap, which took 14
+    # cuts (42 s; the 70B plant, 44 s) to reach min_batch; one request a cut takes four.
+    ll = law()
+    _drive(ll, lambda b: SLO_S * (1.2 + 0.01 * b), 16, demand=5, reserve=5)
+    assert ll.status(16.0)["cuts_undone_total"] == 1
+
+
 def test_cuts_that_begin_at_a_small_batch_are_undone_at_the_floor() -> None:
     # Three requests (a warm-up's), two of them always running (the top class's reserve),
     # a step over the SLO at any batch: the running batch cannot halve, so the line is never

@@ -12,9 +12,10 @@ length.
 Over the SLO (the engine's average and its step now both over it, or the p95 where the engine
 exports no inter-token latency; with no average yet, or nothing decoding, nothing shrinks),
 λ_latency rises by `latency_gain × (ratio − 1)` and the batch cap shrinks by `latency_shrink ×`
-the excess ratio (capped at 1): once per `FAST_HOLD_SCRAPES` new scrapes on the engine's
-measure, whose step now shows a shrink within them; once per `latency_hold_s` on the p95 (its
-sliding window shows a smaller batch only as its older samples age out). A prefill burst that
+the excess ratio (capped at 1), one request at least: once per `FAST_HOLD_SCRAPES` new scrapes
+on the engine's measure, whose step now shows a shrink within them; once per `latency_hold_s`
+on the p95 (its sliding window shows a smaller batch only as its older samples age out). A
+prefill burst that
 slows a few steps leaves the average under the SLO, and a shrink that brought the step back
 under stops the next even while the average remembers the slow steps. Under the SLO λ decays
 each tick; once it is 0 the cap regrows by `latency_regrow` per tick plus one request, but not
@@ -142,7 +143,11 @@ class LatencyLaw:
                     self._hold_until_s = t_s + g.latency_hold_s
                 self.multiplier += g.latency_gain * (ratio - 1.0)
                 base = min(self.batch, float(max(in_flight, cfg.min_batch)))
-                self.batch = base * (1.0 - g.latency_shrink * min(ratio - 1.0, 1.0))
+                # At least one request a cut: a few requests over a step a little over the SLO
+                # took a warm-up's batch of five 44 s to wind down a request at a time (the
+                # 70B plant, docs/scenarios.md, stop 48).
+                shrunk = base * (1.0 - g.latency_shrink * min(ratio - 1.0, 1.0))
+                self.batch = min(shrunk, base - 1.0)
         else:
             self.multiplier = max(0.0, self.multiplier + g.latency_gain * (min(ratio, 1.0) - 1.0))
             if self.multiplier == 0.0 and not near:
