@@ -182,10 +182,10 @@ def test_cuts_that_pay_go_on_until_the_step_is_inside_the_slo(
 
 @pytest.mark.parametrize("seed", range(10))
 def test_a_noisy_step_that_grows_less_than_in_proportion_is_cut_not_given_up(seed: int) -> None:
-    # A real vLLM's step (CPU build: 12 ms at 1 request, 18 at 15, 27 at 46) grows less than
-    # in proportion, and its one-second mean moves by a few %: a line through a 10 % fall read
-    # a 20-ms SLO it meets at about 20 requests as out of reach (docs/vllm-plugin.md), and
-    # failed 4 of these 10 seeds so (JUDGE_FALL 1.1). Here the SLO is met at 65 requests of 200.
+    # A real vLLM's step (CPU build: about 20 ms at 20 requests, 27 at 46) grows less than in
+    # proportion, and its one-second mean moves by a few %: a line through a 10 % fall read a
+    # 20-ms SLO it meets at about 20 requests as out of reach (docs/vllm-plugin.md). A 10 %
+    # fall (JUDGE_FALL 1.1) failed 4 of these 10 seeds. Here the SLO is met at 65 of 200.
     rng = np.random.default_rng(seed)
 
     def step_of(b: int) -> float:
