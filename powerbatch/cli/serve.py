@@ -212,6 +212,15 @@ async def serve(s: ServeSettings, stop: asyncio.Event | None = None) -> None:
     `drain_grace_s` to finish, then the listeners close and the hardware limit is restored.
     """
     p = s.proxy
+    own = stop is None  # the process's own server (the CLI), not one inside a test
+    if stop is None:
+        # First: a SIGTERM during start-up or right after "listening" must drain and restore
+        # the device limit, not kill the process with its limit set (a test's signal, sent
+        # once the log said "listening", raced the handlers installed after that line).
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     kind = source_kind(s)
     app, gov = build(s, kind)
     log.info("power source: %s (%s)", kind, gov.monitor.source.name)
@@ -244,11 +253,7 @@ async def serve(s: ServeSettings, stop: asyncio.Event | None = None) -> None:
             s.control.mode,
             ", client API keys required" if p.api_keys or p.api_keys_file else "",
         )
-        if stop is None:  # the process's own server (the CLI), not one inside a test
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
+        if own:
             _freeze_startup_heap()
         await stop.wait()
         log.info("draining: %d in flight, %d queued", gov.queue.in_flight, gov.queue.queued)
