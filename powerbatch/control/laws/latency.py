@@ -13,27 +13,26 @@ Over the SLO (the engine's average and its step now both over it, or the p95 whe
 exports no inter-token latency; with no average yet, or nothing decoding, nothing shrinks),
 λ_latency rises by `latency_gain × (ratio − 1)` and the batch cap shrinks by `latency_shrink ×`
 the excess ratio (capped at 1), one request at least: once per `FAST_HOLD_SCRAPES` new scrapes
-on the engine's measure, whose step now shows a shrink within them; once per `latency_hold_s`
-on the p95 (its sliding window shows a smaller batch only as its older samples age out). A
-prefill burst that
-slows a few steps leaves the average under the SLO, and a shrink that brought the step back
-under stops the next even while the average remembers the slow steps. Under the SLO λ decays
-each tick; once it is 0 the cap regrows by `latency_regrow` per tick plus one request, but not
-while the step now is within `REGROW_BAND` of the SLO: a dead band, so the cap does not regrow
-into a breach the step would show only a scrape later. p95 TTFT only speeds growth (see the
-power law's step): the ceiling always wins.
+on the engine's measure, whose step now shows a shrink within them; once per `latency_hold_s` on
+the p95 (its sliding window shows a smaller batch only as its older samples age out). A prefill
+burst that slows a few steps leaves the average under the SLO, and a shrink that brought the
+step back under stops the next even while the average remembers the slow steps. Under the SLO λ
+decays each tick; once it is 0 the cap regrows by `latency_regrow` per tick plus one request,
+but not while the step now is within `REGROW_BAND` of the SLO: a dead band, so the cap does not
+regrow into a breach the step would show only a scrape later. p95 TTFT only speeds growth (see
+the power law's step): the ceiling always wins.
 
 A cut is judged by what it bought. A step is a fixed part (the weights' read; a long prompt's
 prefill where every step carries one) and a part per running request (their KV reads and
 compute): the roofline's shape, and vLLM's inter-token latency grows about so with the batch.
 Once the running batch and what the proxy admitted have both halved (`JUDGE_FALL`) since the
-cuts began, the line through the step now and at the latest cut a halving or more above it
-(each against the batch it was averaged over) says which batch would meet the SLO: (SLO −
-fixed part) / per-request part. Where that is
-under `min_batch` (or the step did not fall), or the cap is at `min_batch` and the step still
-over the SLO, no batch meets it, so the cuts only gave tokens away: the cap goes back to where
-they began and the engine's measure cuts nothing for `FUTILE_MEMORY_S`, twice as long after
-each such judgement until the step is back under the SLO; then one cut tries again.
+cuts began, the line through the step now and at the latest cut a halving or more above it (each
+against the batch it was averaged over) says which batch would meet the SLO: (SLO − fixed part)
+/ per-request part. Where that is under `min_batch` (or the step did not fall), or the cap is at
+`min_batch` and the step still over the SLO, no batch meets it, so the cuts only gave tokens
+away: the cap goes back to where they began and the engine's measure cuts nothing for
+`FUTILE_MEMORY_S`, twice as long after each such judgement until the step is back under the SLO;
+then one cut tries again.
 """
 
 from __future__ import annotations
@@ -143,9 +142,9 @@ class LatencyLaw:
                     self._hold_until_s = t_s + g.latency_hold_s
                 self.multiplier += g.latency_gain * (ratio - 1.0)
                 base = min(self.batch, float(max(in_flight, cfg.min_batch)))
-                # At least one request a cut: a few requests over a step a little over the SLO
-                # took a warm-up's batch of five 44 s to wind down a request at a time (the
-                # 70B plant, docs/scenarios.md, stop 48).
+                # At least one request a cut: at a few requests a step a little over the SLO
+                # cuts a fraction of one, and a warm-up's five took 44 s to wind down (the 70B
+                # plant, docs/scenarios.md, stop 48).
                 shrunk = base * (1.0 - g.latency_shrink * min(ratio - 1.0, 1.0))
                 self.batch = min(shrunk, base - 1.0)
         else:
