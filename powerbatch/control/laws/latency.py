@@ -119,7 +119,7 @@ class LatencyLaw:
             if not over:
                 self._cut = None  # under the SLO: the cuts paid, or the load moved
                 self._futile_memory_s = FUTILE_MEMORY_S
-            elif ready and self._futile(t_s, engine, engine.step_s):
+            elif ready and self._futile(t_s, engine):
                 ready = False
             elif ready:  # a cut comes: note where it was measured
                 point = (_running(engine), engine.step_s)
@@ -154,13 +154,13 @@ class LatencyLaw:
                 self.batch = min(float(cfg.max_batch), regrown)
         self.batch = max(float(cfg.min_batch), self.batch)
 
-    def _futile(self, t_s: float, engine: EngineLoad, step_s: float) -> bool:
+    def _futile(self, t_s: float, engine: EngineLoad) -> bool:
         """Whether cutting now cannot bring the step under the SLO (see the module's last
         paragraph); on the first such judgement the cap goes back to where the cuts began."""
         if t_s < self._futile_until_s:
             return True
-        cut = self._cut
-        if cut is None:
+        cut, step_s = self._cut, engine.step_s
+        if cut is None or step_s is None:
             return False
         running = _running(engine)
         slo_s = self.config.tpot_slo_s
