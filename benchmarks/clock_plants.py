@@ -161,7 +161,7 @@ def run(
             t_tick, power, batch, decode, prefill, eng.num_waiting, None, tpot, top, changed_s
         )
         if "reading_weight" in extra:
-            inp = replace(inp, reading_weight=weight, meter_lag_s=meter_lag_s)  # type: ignore[call-arg]
+            inp = replace(inp, reading_weight=weight, meter_lag_s=meter_lag_s)
         choice = law.tick(inp, True)
         new = float(choice.lock[1]) if choice.lock else float(supported[-1])
         if new != top:
@@ -228,7 +228,8 @@ def main() -> None:
         profile, ceiling_w, kv = draw(seed)
         plant = partial(run, profile, ceiling_w, kv, seed, a.seconds, load=a.load)
         base = plant()
-        policy = ClockPolicy(clock_objective="energy", **dict(_setting(kv) for kv in a.set))
+        settings: dict[str, Any] = dict(_setting(kv) for kv in a.set)
+        policy = ClockPolicy(clock_objective="energy", **settings)
         law = ClockLaw(policy, ControlConfig(ceiling_w=ceiling_w))
         learned = plant(
             law=law,
