@@ -420,6 +420,104 @@ def test_lua_raises_only_from_confirmed_watts_and_only_for_the_leader(
     run(body)
 
 
+def test_the_scripts_wake_the_member_a_move_waits_on(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """A move has four steps on four members' periods: the taker bids needy, the leader
+    allocates, the giver confirms its cut, the taker is paid. Each script names who acts next
+    on `:wake:<id>`, so the move takes round trips, not periods."""
+    from powerbatch.fleet import book
+
+    async def body() -> None:
+        r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        p = book.prefix("wake")
+        ttl_ms = 10_000
+        sub = r.pubsub(ignore_subscribe_messages=True)
+        await sub.psubscribe(f"{p}:wake:*")
+
+        async def heard() -> list[tuple[str, str]]:
+            out = []
+            while (m := await sub.get_message(ignore_subscribe_messages=True, timeout=0.2)):
+                out.append((m["channel"].rsplit(":", 1)[1], m["data"]))
+            return out
+
+        async def renew(mid: str, using: float, needy: int = 0) -> float:
+            args = [mid, ttl_ms, using, 250.0, 1000.0, "needy", needy]
+            return float((await r.eval(book.RENEW, 1, p, *args))[0])
+
+        try:
+            await renew("a", 0.0)
+            await renew("b", 0.0)
+            await r.hset(f"{p}:state", "fresh_until_ms", 0)
+            await r.set(f"{p}:leader", "a")
+            assert await heard() == []  # joining wakes nobody
+            await renew("b", 250.0, needy=1)
+            assert await heard() == [("a", "needy")]  # the leader, to allocate now
+            await renew("b", 250.0, needy=1)
+            assert await heard() == []  # once, as it turns needy
+            await r.eval(book.ALLOCATE, 1, p, "a", ttl_ms, 1000.0, "a", 100.0, "b", 900.0)
+            assert sorted(await heard()) == [("a", "cut"), ("b", "raise")]
+            await renew("a", 250.0)  # a has not confirmed yet: b's raise still waits
+            assert await heard() == []
+            await renew("a", 100.0)  # confirmed: b is paid at its renewal, now
+            assert await heard() == [("b", "paid")]
+            assert await renew("b", 750.0, needy=1) == 900.0
+        finally:
+            await sub.aclose()
+            await r.aclose()
+
+    run(body)
+
+
+def test_a_woken_member_renews_at_once_and_one_whose_work_waits_wakes_itself(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """On a 5-s period, a member renews within a fraction of a second of a wake-up on its
+    channel, and when its loop's tick shows work starting to wait (once, not every tick)."""
+    from powerbatch.fleet.lowering import Meter
+
+    async def body() -> None:
+        settings = FleetSettings(
+            fleet_budget="woken",
+            fleet_budget_w=BUDGET_W,
+            fleet_redis_url=redis_server.url,
+            fleet_members=2,
+            fleet_lease_ttl_s=15.0,
+            fleet_publish_interval_s=5.0,
+        )
+        queued = 0
+        m = FleetMember(
+            settings,
+            "m",
+            signals=lambda: MemberSignals(in_flight=4, needy=queued > 2),
+            meter=lambda: Meter(queued=queued, in_flight=4),
+        )
+        r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        await m.start()
+        try:
+            await async_wait_until(lambda: m.lease.last_ok_sent is not None, 5, "first renewal")
+            await asyncio.sleep(0.3)  # the subscription made
+            sent = m.lease.last_ok_sent
+            await r.publish("powerbatch:fleet:woken:wake:m", "cut")
+            await async_wait_until(lambda: m.lease.last_ok_sent != sent, 1.0, "a renewal")
+            sent = m.lease.last_ok_sent
+            m.ceiling_w(0.0)
+            await asyncio.sleep(0.3)
+            assert m.lease.last_ok_sent == sent, "nothing waits: no renewal"
+            queued = 10
+            m.ceiling_w(0.0)
+            await async_wait_until(lambda: m.bid.get("needy") == 1.0, 1.0, "needy bid at once")
+            sent = m.lease.last_ok_sent
+            m.ceiling_w(0.0)
+            await asyncio.sleep(0.3)
+            assert m.lease.last_ok_sent == sent, "still waiting: no second renewal"
+        finally:
+            await m.stop()
+            await r.aclose()
+
+    run(body)
+
+
 class ReplyAsStopped:
     """A Redis client whose reply is ready just as the member is stopped. redis-py sends each
     command through `asyncio.wait_for`, which on Python 3.11 then returns the inner result and

@@ -12,7 +12,9 @@ The scripts name member keys from the prefix, so a Redis Cluster is out of scope
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -73,6 +75,9 @@ end
 # A renewal confirms: `held` drops to max(grant, using), `using` being what the member runs on
 # while this reply travels; a grant below the leader's `target` is raised toward it from the
 # pool. A member with no live lease joins with at most its safe share, paid from the pool.
+# It publishes on `:wake:<id>` (member id) when a move waits on another member: `needy` to the
+# leader when this member turns needy, `paid` to each member with a pending raise when this one
+# frees watts (`RedisBook.wakes`).
 # Returns grant, expires_ms, now_ms, fresh_until_ms, leader, live count.
 RENEW = (
     _COMMON
@@ -82,7 +87,8 @@ local using, safe = tonumber(ARGV[3]), tonumber(ARGV[4])
 local budget, fresh_until = init(tonumber(ARGV[5]), ttl)
 local key = p .. ':m:' .. id
 local committed, live = sweep(ttl, id)
-local h = redis.call('HMGET', key, 'grant', 'held', 'expires_ms', 'lost', 'target')
+local h = redis.call('HMGET', key, 'grant', 'held', 'expires_ms', 'lost', 'target', 'needy')
+local was_held, was_needy = num(h[2]), h[6] == '1'
 local grant, target
 if h[3] == false or h[4] == '1' or num(h[3]) < now then
   grant = math.min(safe, math.max(budget - committed, 0))
@@ -102,6 +108,22 @@ redis.call('HSET', key, 'grant', grant, 'held', held, 'expires_ms', now + ttl, '
 for i = 6, #ARGV, 2 do redis.call('HSET', key, ARGV[i], ARGV[i + 1]) end
 redis.call('SADD', set, id)
 local leader = redis.call('GET', p .. ':leader') or ''
+-- Wake-ups (the periods stay; these only make a move take round trips, not periods): a
+-- member that turns needy wakes the leader, and one that frees watts wakes each member whose
+-- raise waits on the pool, to be paid at its renewal now.
+if leader ~= '' and leader ~= id and not was_needy and redis.call('HGET', key, 'needy') == '1' then
+  redis.call('PUBLISH', p .. ':wake:' .. leader, 'needy')
+end
+if held < was_held - 1e-6 then
+  for _, other in ipairs(redis.call('SMEMBERS', set)) do
+    if other ~= id then
+      local o = redis.call('HMGET', p .. ':m:' .. other, 'grant', 'target', 'lost')
+      if o[3] ~= '1' and num(o[2]) > num(o[1]) + 1e-6 then
+        redis.call('PUBLISH', p .. ':wake:' .. other, 'paid')
+      end
+    end
+  end
+end
 return {tostring(grant), tostring(now + ttl), tostring(now), tostring(fresh_until), leader,
         tostring(live + 1), tostring(committed + held)}
 """
@@ -111,6 +133,7 @@ return {tostring(grant), tostring(now + ttl), tostring(now), tostring(fresh_unti
 # Fenced: only the holder of the leader lease may write. Lowers take effect at once (grant =
 # target; held stays until the member confirms); raises share what the pool holds, each in
 # proportion to what it lacks, and the rest of each is left as `target` for its renewal.
+# It publishes `cut` or `raise` on `:wake:<id>` for each grant it moves.
 # Returns pool_w left, reallocations, changed (0/1); {-1} if not the leader.
 ALLOCATE = (
     _COMMON
@@ -132,9 +155,10 @@ for i = 4, #ARGV, 2 do
     redis.call('HSET', key, 'target', target)
     if target < grant - 1e-6 then
       redis.call('HSET', key, 'grant', target)
+      redis.call('PUBLISH', p .. ':wake:' .. id, 'cut')
       changed = 1
     elseif target > grant + 1e-6 then
-      table.insert(raises, {key, grant, held, target})
+      table.insert(raises, {key, grant, held, target, id})
     end
   end
 end
@@ -145,11 +169,12 @@ for _, r in ipairs(raises) do need = need + math.max(r[4] - r[3], 0) end
 local frac = 1
 if need > pool then frac = pool / need end
 for _, r in ipairs(raises) do
-  local key, grant, held, target = r[1], r[2], r[3], r[4]
+  local key, grant, held, target, id = r[1], r[2], r[3], r[4], r[5]
   local new = math.min(target, held + frac * math.max(target - held, 0))
   if new > grant + 1e-6 then
     pool = pool - math.max(new - held, 0)
     redis.call('HSET', key, 'grant', new, 'held', math.max(held, new))
+    redis.call('PUBLISH', p .. ':wake:' .. id, 'raise')
     changed = 1
   end
 end
@@ -239,6 +264,22 @@ class RedisBook:
             args += [i, round(w, 3)]
         reply = await self.client.eval(ALLOCATE, 1, self.prefix, *args)
         return None if reply[0] == "-1" else reply[2] == "1"
+
+    async def wakes(self) -> AsyncIterator[str]:
+        """What the scripts publish for this member, as it comes: why it should renew now
+        (`cut`, `raise`, `paid`, `needy`). A subscribed connection runs no scripts, so this
+        one is its own."""
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(f"{self.prefix}:wake:{self.id}")
+            while True:
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if msg is not None:
+                    yield str(msg["data"])
+        finally:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.settings.fleet_publish_interval_s):
+                    await pubsub.aclose()
 
     async def close(self) -> None:
         client, self._client = self._client, None

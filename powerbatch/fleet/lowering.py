@@ -44,6 +44,8 @@ class Meter:
     limited: bool = False  # a limiter controls the device (its limit may be in flight)
     span_s: float = 0.0  # how far back a reading reaches (the loop's `reading_span_s`)
     lowest_w: float = 0.0  # the lowest limit the device accepts (a lower ask is set at this)
+    queued: int = 0  # requests waiting at the last tick
+    in_flight: int = 0  # and running
 
 
 class Lowering:

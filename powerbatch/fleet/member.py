@@ -32,6 +32,12 @@ from powerbatch.fleet.settings import FleetSettings
 log = logging.getLogger("powerbatch.fleet")
 
 DEAD_BAND_FRAC = 0.1  # the leader moves no share by less than this share of the safe share
+QUEUE_MIN, QUEUE_FRAC = 2, 0.25  # work waiting beyond this many, or this share of the batch
+
+
+def work_waits(queued: int, in_flight: int) -> bool:
+    """More work waits than a batch turning over absorbs: more watts would buy goodput."""
+    return queued > max(QUEUE_MIN, QUEUE_FRAC * in_flight)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +231,8 @@ class FleetMember:
         self.signals = signals or MemberSignals
         self.meter = meter
         self.lowering = Lowering()
-        self._wake = asyncio.Event()  # an early renewal: a lower limit to confirm
+        self._wake = asyncio.Event()  # an early renewal (`run`)
+        self._waits = False  # work waited at the last tick
         self.clock = clock
         self.metrics = FleetMetrics(registry)
         self.book = RedisBook(settings, member_id, client)
@@ -255,6 +262,10 @@ class FleetMember:
         shown = self.lowering.show(now, share, stage == Stage.LIVE, held, meter)
         if self.lowering.limit_holds and not was:
             self._wake.set()  # the lower limit is in force: confirm it now, not next period
+        waits = work_waits(meter.queued, meter.in_flight)
+        if waits and not self._waits and not self.bid.get("needy"):
+            self._wake.set()  # work began to wait: bid needy now (the leader is woken in turn)
+        self._waits = waits
         m = self.metrics
         m.share_w.set(share)
         m.fallback.set(0.0 if stage == Stage.LIVE else 1.0)
@@ -328,26 +339,42 @@ class FleetMember:
             await asyncio.wait([task])  # not `await task`: the caller's own cancel must stand
 
     async def run(self) -> None:
-        """Renew every period until cancelled. redis-py may drop a cancel (Python 3.11's `wait_for`
-        returns an inner result ready when the cancel came): a cancel still pending after a step
-        ends the loop too, else stop() or asyncio.run's shutdown waits for ever."""
+        """Renew a period after the last renewal began, or at once when woken: by this member's
+        own loop (a lower limit in force, work that began to wait) or by the scripts, through
+        `_listen`. redis-py may drop a cancel (Python 3.11's `wait_for` returns an inner result
+        ready when the cancel came): a cancel still pending after a step ends the loop too, else
+        stop() or asyncio.run's shutdown waits for ever."""
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
-        next_t = loop.time()
+        listener = loop.create_task(self._listen(), name="powerbatch-fleet-wakes")
         try:
             while True:
+                began = loop.time()
                 await self.step()
                 if task is not None and task.cancelling():
                     raise asyncio.CancelledError
-                next_t += self.settings.fleet_publish_interval_s
-                delay = next_t - loop.time()
-                if delay < 0:
-                    next_t, delay = loop.time(), 0.0
+                delay = max(began + self.settings.fleet_publish_interval_s - loop.time(), 0.0)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), delay)
                 self._wake.clear()
         finally:
+            listener.cancel()
+            await asyncio.wait([listener])
             await self._close()
+
+    async def _listen(self) -> None:
+        """Renew at once when the scripts say a move waits on this member (book.py): a cut
+        to confirm, a raise to take up, a pending raise the pool can now pay, or, as leader, a
+        member turned needy. Without these a move took a period at each of its four steps
+        (needy, allocation, the cut confirmed, the raise paid): 1.5-2 s of a 3-5-s burst. Best
+        effort: the periods stand alone, so a lost subscription is retried a period later."""
+        while True:
+            try:
+                async for _ in self.book.wakes():
+                    self._wake.set()
+            except Exception as exc:  # noqa: BLE001 - nothing here may stop the renewals
+                log.debug("fleet %s: wake-ups lost: %s", self.book.prefix, exc)
+            await asyncio.sleep(self.settings.fleet_publish_interval_s)
 
     async def _close(self) -> None:
         with contextlib.suppress(Exception):

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 from powerbatch.control import QueueCounts
 from powerbatch.estimate import Features
 from powerbatch.fleet.lowering import Meter
-from powerbatch.fleet.member import MemberSignals
+from powerbatch.fleet.member import MemberSignals, work_waits
 from powerbatch.telemetry.filters import Ewma
 
 if TYPE_CHECKING:  # only its public attributes are used
@@ -68,7 +68,6 @@ DEMAND_TAU_S = 5.0  # how slowly the demand in the bid falls
 HEADROOM_FRAC = 0.15  # a member with nothing waiting wants this much over what it draws
 GIVE_FRAC = 0.15  # a member held by its limit inside its SLOs wants this much less than it draws
 RISK_FRAC = 0.5  # p95 latency over this share of its SLO: the member has no time to give
-QUEUE_MIN, QUEUE_FRAC = 2, 0.25  # work waiting beyond this many, or this share of the batch
 RATE_HALF_LIFE_S = 1.0  # the arrival rate's: a rate that jumps is 75 % read within 2 s
 SLOW_RATE_HALF_LIFE_S = 5.0  # the rate it is judged against: arrivals rising outrun this
 RISE_SD = 2.0  # arrivals this many sd over it stop a give (a false alarm costs one period's give)
@@ -127,7 +126,7 @@ class LoopSignals:
         limit_w, power_w = self._limit_read_w(rec), rec.power_w or 0.0
         pinned = bool(demand > 0 and limit_w > 0 and power_w >= PINNED_FRAC * limit_w and bounds)
         queued = sum(by_class.values())
-        waiting = queued > max(QUEUE_MIN, QUEUE_FRAC * rec.in_flight)
+        waiting = work_waits(queued, rec.in_flight)
         latency = self._latency(counts)
         # Held by its limit while its arrivals surge, or its work climbs past its recent high
         # by more than a Poisson count's noise (2 sd): its arrivals outrun it, and the queue
@@ -255,7 +254,16 @@ class LoopSignals:
         limited, lowest = bounds is not None, bounds[0] if bounds is not None else 0.0
         if rec is None:
             return Meter(limit_margin_frac=margin, limited=limited, lowest_w=lowest)
-        return Meter(rec.power_w, rec.power_limit_w, margin, limited, loop.reading_span_s, lowest)
+        return Meter(
+            rec.power_w,
+            rec.power_limit_w,
+            margin,
+            limited,
+            loop.reading_span_s,
+            lowest,
+            rec.queued,
+            rec.in_flight,
+        )
 
     def _smoothed(self, t_s: float, demand: float) -> float:
         """The demand as bid: a rise at once, a fall with time constant `DEMAND_TAU_S`."""
