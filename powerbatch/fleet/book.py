@@ -1,7 +1,8 @@
 """The budget's book in Redis: the Lua scripts that change it atomically, and a member's calls
 (`RedisBook`: each one script or command, no state of its own). Keys under `powerbatch:fleet:
 <budget>`: `:state` (budget_w, created_ms, fresh_until_ms, reallocations), `:members` (a set),
-`:m:<id>` (grant, held, expires_ms, lost, lost_since_ms, safe_w and its bid), `:leader` (PX).
+`:m:<id>` (grant, held, expires_ms, lost, lost_since_ms, safe_w and its bid), `:leader` (PX);
+and a channel `:wake:<id>` per member, on which the scripts name the member a move waits on.
 
 `grant` is what the member may use once it has read it; `held` is an upper bound on what it may
 be using now (the old grant until it confirms a lower one). Invariant, kept by every script:
