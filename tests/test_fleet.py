@@ -437,7 +437,7 @@ def test_the_scripts_wake_the_member_a_move_waits_on(
 
         async def heard() -> list[tuple[str, str]]:
             out = []
-            while (m := await sub.get_message(ignore_subscribe_messages=True, timeout=0.2)):
+            while m := await sub.get_message(ignore_subscribe_messages=True, timeout=0.2):
                 out.append((m["channel"].rsplit(":", 1)[1], m["data"]))
             return out
 
