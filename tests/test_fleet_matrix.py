@@ -3,6 +3,7 @@ and one short static-split run of a case through fleet-bench's own runner."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 from powerbatch.cli import fleet_bench, fleet_matrix
 from powerbatch.cli.main import build_parser
+from powerbatch.cli.process import ChildFailed
 from powerbatch.sim import capacity
 
 SLO = fleet_matrix.TPOT_SLO_S
@@ -213,3 +215,23 @@ def test_a_static_split_run_of_a_case_caps_each_gpu_set_and_counts_waiting_work(
     limits = [fleet_bench.split_limit_w(p, ns.budget_w, 2) for p in ns.plants]
     assert run["max_total_w"] <= sum(limits) * 1.02  # each capped at its split
     assert run["queued_seconds"] >= 0 and "status_rows" in run
+
+
+def test_a_run_whose_child_lost_its_port_runs_again_and_other_failures_stand(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    calls: list[str] = []
+
+    async def run_arm(arm: str, *args: object) -> dict[str, object]:
+        calls.append(arm)
+        if len(calls) == 1 or arm == "broken":
+            tail = "OSError: [Errno 98] address already in use" if arm != "broken" else "boom"
+            raise ChildFailed(f"sims did not become ready:\n{tail}")
+        return {"arm": arm}
+
+    monkeypatch.setattr(fleet_bench, "run_arm", run_arm)
+    ns = argparse.Namespace()
+    assert asyncio.run(fleet_matrix.run_once("fleet", ns, 1, tmp_path)) == {"arm": "fleet"}
+    assert calls == ["fleet", "fleet"]
+    with pytest.raises(ChildFailed, match="boom"):
+        asyncio.run(fleet_matrix.run_once("broken", ns, 1, tmp_path))

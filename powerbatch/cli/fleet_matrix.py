@@ -38,6 +38,7 @@ import numpy as np
 
 from powerbatch.cli import fleet_bench
 from powerbatch.cli.extras import pyplot
+from powerbatch.cli.process import ChildFailed
 from powerbatch.cli.stack import slo_default_s
 from powerbatch.load.drawn import DIURNAL_SHAPE
 from powerbatch.load.profile import LoadProfile, Phase, PlannedRequest
@@ -520,6 +521,18 @@ def write(
     return doc
 
 
+async def run_once(arm: str, ns: argparse.Namespace, seed: int, log: Path) -> dict[str, Any]:
+    """One run, again on new ports where a child could not bind its own: a port drawn free can
+    be taken before the child binds it, and one such loss ended a whole matrix."""
+    try:
+        return await fleet_bench.run_arm(arm, ns, seed, log)
+    except ChildFailed as exc:
+        if "address already in use" not in str(exc):
+            raise
+        print(f"{arm} seed {seed}: a port was taken before its child bound it; again", flush=True)
+        return await fleet_bench.run_arm(arm, ns, seed, log)
+
+
 async def run_matrix(a: argparse.Namespace) -> int:
     cases = reduced_cases() if a.matrix == "reduced" else full_cases(a.seed)
     if a.cases:
@@ -541,7 +554,7 @@ async def run_matrix(a: argparse.Namespace) -> int:
                 print(f"{case.name} {arm} seed {seed}", flush=True)
                 log = a.out / "logs" / case.name / f"{arm}-{seed}"
                 log.mkdir(parents=True, exist_ok=True)
-                run = await fleet_bench.run_arm(arm, ns, seed, log)
+                run = await run_once(arm, ns, seed, log)
                 (log / "run.json").write_text(json.dumps(run))  # status rows, 1-s power
                 runs.setdefault(arm, []).append(run)
                 print(json.dumps(fleet_bench.brief(run)), flush=True)
