@@ -372,7 +372,7 @@ class FleetMember:
             try:
                 async for _ in self.book.wakes():
                     self._wake.set()
-            except Exception as exc:  # noqa: BLE001 - nothing here may stop the renewals
+            except Exception as exc:  # nothing here may stop the renewals
                 log.debug("fleet %s: wake-ups lost: %s", self.book.prefix, exc)
             await asyncio.sleep(self.settings.fleet_publish_interval_s)
 
