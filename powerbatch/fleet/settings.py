@@ -53,7 +53,9 @@ class FleetSettings:
         3.0, "lease length, s: renewed every third, given up at two thirds", gt=0.3, le=600
     )
     fleet_publish_interval_s: float = setting(
-        0.5, "how often the member renews and publishes (at most a third of the lease)", gt=0
+        0.5,
+        "the longest between renewals (at once where a move waits on it); at most TTL / 3",
+        gt=0,
     )
     fleet_weight_high: float = setting(4.0, "value of a watt serving high-class demand", ge=0)
     fleet_weight_normal: float = setting(1.0, "value of a watt serving normal demand", ge=0)
