@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -57,3 +59,30 @@ def test_free_ports_are_drawn_below_the_ephemeral_range() -> None:
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))  # free, as promised
+
+
+def test_sigterm_stops_a_harness_through_its_finally_blocks(tmp_path: Path) -> None:
+    """A bench stopped with `kill` must stop the children it started: its coroutine is
+    cancelled, its `finally` blocks run, and it exits 143, as after Ctrl-C."""
+    mark = tmp_path / "stopped"
+    code = textwrap.dedent(
+        f"""
+        import asyncio, sys
+        from pathlib import Path
+        from powerbatch.cli.process import run_stopping_children
+
+        async def harness():
+            try:
+                print("running", flush=True)
+                await asyncio.sleep(60)
+            finally:
+                Path({str(mark)!r}).write_text("children stopped")
+
+        run_stopping_children(harness())
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "running"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 128 + signal.SIGTERM
+    assert mark.read_text() == "children stopped"

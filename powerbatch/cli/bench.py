@@ -26,6 +26,7 @@ import aiohttp
 
 from powerbatch.cli import shape_bench
 from powerbatch.cli.extras import require_cli_extra
+from powerbatch.cli.process import run_stopping_children
 from powerbatch.cli.report import RunData, plot_runs, plot_summary, summarize
 from powerbatch.cli.shape_bench import SHAPE_ARMS
 from powerbatch.cli.stack import Stack, add_dcgm_interval_argument, add_slo_arguments
@@ -471,4 +472,4 @@ async def _bench(a: argparse.Namespace) -> int:
 
 def main(a: argparse.Namespace) -> int:
     require_cli_extra("powerbatch bench")  # before the runs: the tables and plots need it
-    return asyncio.run(_bench(a))
+    return run_stopping_children(_bench(a))

@@ -42,7 +42,7 @@ import numpy as np
 
 from powerbatch.cli.bench import fetch_json, serve_args
 from powerbatch.cli.extras import pyplot
-from powerbatch.cli.process import Child, free_port
+from powerbatch.cli.process import Child, free_port, run_stopping_children
 from powerbatch.cli.report import power_1s
 from powerbatch.cli.stack import add_dcgm_interval_argument, add_slo_arguments, exporter_metric
 from powerbatch.load import LoadProfile, run_load
@@ -661,8 +661,8 @@ def main(a: argparse.Namespace) -> int:
 
         a.duration_s = 20.0 if a.duration_s is None else a.duration_s
         a.out = Path("results/fleet-matrix") if a.out is None else a.out
-        return asyncio.run(run_matrix(a))
+        return run_stopping_children(run_matrix(a))
     a.duration_s = 90.0 if a.duration_s is None else a.duration_s
     a.out = Path("results/fleet") if a.out is None else a.out
     a.arms = "static,fleet,faults" if a.arms is None else a.arms
-    return asyncio.run(_bench(a))
+    return run_stopping_children(_bench(a))

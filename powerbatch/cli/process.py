@@ -3,7 +3,8 @@
 `Child` runs a command with its output in a log file, is ready when a URL answers 200, and is
 stopped with SIGTERM (SIGKILL after a grace period). Both sync callers (tests, harnesses) and
 async ones (the demo's and the bench's stack) use it: `launch`/`wait_ready`/`terminate` block,
-`start`/`stop`/`wait` are their async twins.
+`start`/`stop`/`wait` are their async twins. `run_stopping_children` runs a harness so that
+SIGTERM stops the children it started, as Ctrl-C does.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -28,6 +30,28 @@ from powerbatch.errors import PowerbatchError
 
 POWERBATCH = (sys.executable, "-m", "powerbatch")
 """The default command prefix: `python -m powerbatch` of this interpreter."""
+
+T = TypeVar("T")
+
+
+def run_stopping_children(coro: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(coro)`, where SIGTERM cancels it as Ctrl-C does, so that its `finally`
+    blocks stop the children it started, and the process exits 143 (128 + SIGTERM). Without
+    it a bench stopped with `kill` left its simulators, proxies and Redis running."""
+
+    async def main() -> T:
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+        assert task is not None
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        try:
+            return await coro
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    try:
+        return asyncio.run(main())
+    except asyncio.CancelledError:
+        raise SystemExit(128 + signal.SIGTERM) from None
 
 
 def _ephemeral_low() -> int:

@@ -27,7 +27,7 @@ import numpy as np
 
 from powerbatch.cli.bench import run_traces, serve_args
 from powerbatch.cli.extras import pyplot, require_cli_extra
-from powerbatch.cli.process import Child
+from powerbatch.cli.process import Child, run_stopping_children
 from powerbatch.cli.report import RunData, plot_runs, summarize
 from powerbatch.cli.stack import Stack
 from powerbatch.jsonsafe import json_safe
@@ -496,7 +496,7 @@ def main(a: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     scenarios = [draw_scenario(a.seed, i) for i in indices]
     t_start = time.monotonic()
-    kept = asyncio.run(run_all(scenarios, arms, a, out, console))
+    kept = run_stopping_children(run_all(scenarios, arms, a, out, console))
     wall_s = time.monotonic() - t_start
     per_scenario = [scenario_figures(sc, a.duration_s) for sc in scenarios]
     dist = distributions(per_scenario, arms)
