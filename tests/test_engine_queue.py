@@ -91,14 +91,20 @@ def test_the_time_per_token_is_the_inter_token_latency_over_a_requests_decode_ti
     assert q.load is not None and q.load.token_s == pytest.approx(0.1)
     assert q.load.step_s == pytest.approx(0.1)
     # One slow second (0.5 s a token, a prefill burst): the step now says so at once, the
-    # average over a 10-s decode a little.
+    # average over a request's tokens (425 / 2 then 397.5 / 1.4 of them) a little.
     q.update(at(2.0, 400.0, 5_600.0, 9), admitted=60, in_flight=60)
     assert q.load is not None and q.load.step_s == pytest.approx(0.1 + 0.3 * 0.4)
     assert q.load.step_batch == pytest.approx(50.0)  # 50 request-seconds in 1 s: still 50
-    keep, first = math.exp(-0.1), math.exp(-0.05)
-    average = (keep * (first * 25.0 + 25.0) + 50.0) / (keep * (first * 250.0 + 250.0) + 100.0)
-    assert q.load.token_s == pytest.approx(average)
-    assert q.load.token_s < 0.2
+
+    def decay(steps: float, tokens: float) -> tuple[float, float]:
+        x = steps / tokens
+        return math.exp(-x), (1.0 - math.exp(-x)) / x
+
+    (k1, o1), (k2, o2) = decay(5.0, 425.0 / 2.0), decay(2.0, 397.5 / 1.4)
+    total = k2 * (k1 * 25.0 + o1 * 25.0) + o2 * 50.0
+    count = k2 * (k1 * 250.0 + o1 * 250.0) + o2 * 100.0
+    assert q.load.token_s == pytest.approx(total / count)
+    assert q.load.token_s < q.load.step_s  # the slow steps are 2 of the 12 it knows
     q.update(at(3.0, 1.0, 10.0, 0), admitted=60, in_flight=5)  # the engine restarted
     assert q.load is not None and q.load.token_s is None and q.load.step_s is None
     assert q.load.step_batch is None
@@ -279,3 +285,33 @@ def test_the_sims_generated_tokens_reach_the_proxy_through_a_scrape() -> None:
 
     before, after, total = run(main())
     assert after - before == 40 and after == total
+
+
+def test_a_prefill_burst_reads_as_what_a_request_spanning_it_shows_not_as_the_burst() -> None:
+    """Answers of 16 tokens decode in 0.32 s at 0.02 s a step; one second of 0.28-s steps (a
+    burst's prompts prefilled under a cap) slows each request decoding through it by 3.6
+    steps: its TPOT is (3.6 × 0.28 + 12.4 × 0.02) / 16 = 0.078 s, under a 0.1-s SLO. Averaged
+    over a decode *time* of 0.32 s, the engine's time per token read 0.18 s, and the latency
+    law held a fleet member's batch while its queue grew (docs/fleet.md, stop 50)."""
+    q = EngineQueue()
+    batch, t, itl_s, itl_n, finished = 50, 0.0, 0.0, 0.0, 0.0
+
+    def scrape(step_s: float) -> None:
+        nonlocal t, itl_s, itl_n, finished
+        t += 1.0
+        steps = 1.0 / step_s
+        itl_s, itl_n = itl_s + batch * 1.0, itl_n + batch * steps
+        finished += batch * steps / 16.0
+        up = UpstreamSignals(
+            batch, 0, 0.5, t, requests_started_total=finished, itl_sum_s=itl_s,
+            itl_count=itl_n, decode_sum_s=0.32 * finished, decode_count=finished,
+        )  # fmt: skip
+        q.update(up, admitted=int(finished) + batch, in_flight=batch)
+
+    for _ in range(10):
+        scrape(0.02)
+    assert q.load is not None and q.load.token_s == pytest.approx(0.02)
+    scrape(0.28)
+    spanning = (3.6 * 0.28 + 12.4 * 0.02) / 16.0
+    assert q.load is not None and q.load.step_s is not None and q.load.step_s > 0.09
+    assert q.load.token_s is not None and 0.8 * spanning < q.load.token_s < 0.1

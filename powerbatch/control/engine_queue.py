@@ -16,13 +16,18 @@ lost to a busy moment must not let the whole backlog into the engine's first-com
 The time per output token: the rises of vLLM's inter-token latency histogram's sum and count
 (`vllm:inter_token_latency_seconds`, observed at each output after a request's first) between
 scrapes give the time a running request waited per token. A request's TPOT is the mean of its
-steps over its decode time, so the rises are averaged over that horizon: an exponential average
-of both whose time constant is the engine's own mean decode time per finished request
-(`vllm:request_decode_time_seconds`, first token to last: vllm/v1/metrics/stats.py), over the
-last scrapes; none until a request has finished, since one interval alone is one prefill burst.
-A prefill burst that slows a few steps slows no request much, a batch too large for the SLO
-slows every one. That is what the requests running now will show at their end, a request's
-length before a window of finished requests' p95 does. The last intervals' own (`step_s`, an
+steps over its tokens, so the rises are averaged over a request's tokens: an exponential
+average of both that forgets, per interval, the steps a decoding request took in it (the
+count's rise over the requests decoding through it) over the tokens a request decodes (the
+count's rises over the finished requests' rises, `vllm:request_decode_time_seconds`' count:
+vllm/v1/metrics/stats.py); none until a request has finished, since one interval alone is one
+prefill burst. A prefill burst that slows a few steps slows no request much, a batch too large
+for the SLO slows every one. That is what the requests running now will show at their end, a
+request's length before a window of finished requests' p95 does. (Forgotten over a decode
+*time* instead, a burst's slow second weighed as much as a decode's fast seconds: at a fleet
+member's burst this average read 0.10-0.23 s a token against a 0.1-s SLO while the requests
+running finished at 0.02-0.06 s, and the latency law held their successors queued for
+seconds; docs/fleet.md, stop 50.) The last intervals' own (`step_s`, an
 EWMA of `RATE_WEIGHT` a scrape) say whether the step is still slow now, after a shrink the
 average still remembers. (The running count over the generated tokens per second would count the
 requests in prefill, which make no tokens, as slow decodes.)
@@ -70,7 +75,7 @@ class EngineQueue:
         self._itl = (0.0, 0.0)  # the ITL sum's and count's rises, averaged over the horizon
         self._step_s: float | None = None  # the last intervals' mean ITL
         self._step_batch: float | None = None  # and the requests decoding over them
-        self._horizon_s: float | None = None  # a request's decode time, once one has finished
+        self._per_request = (0.0, 0.0)  # ITL count and finished requests' rises, averaged
         self._generated: deque[tuple[float, float]] = deque()  # (t_s, tokens generated ever)
 
     def update(self, up: UpstreamSignals | None, admitted: int, in_flight: int) -> None:
@@ -124,17 +129,25 @@ class EngineQueue:
             return
         count, total_s = up.itl_count - last[2], up.itl_sum_s - last[1]
         if count < 0 or total_s < 0:  # the engine restarted: its counts begin again
-            self._itl, self._step_s, self._horizon_s = (0.0, 0.0), None, None
+            self._itl, self._step_s, self._per_request = (0.0, 0.0), None, (0.0, 0.0)
             self._step_batch = None
             return
+        finished = 0.0
         if decoded is not None and self._decoded is not None:
-            finished = self._decoded[1] - decoded[1]
-            if finished > 0:
-                mean_s = max(self._decoded[0] - decoded[0], 0.0) / finished
-                self._horizon_s = ewma_step(self._horizon_s, mean_s, RATE_WEIGHT)
-        horizon_s = self._horizon_s
-        keep = math.exp(-(up.t_s - last[0]) / horizon_s) if horizon_s else 0.0
-        self._itl = (keep * self._itl[0] + total_s, keep * self._itl[1] + count)
+            finished = max(self._decoded[1] - decoded[1], 0.0)
+        w = 1.0 - RATE_WEIGHT
+        self._per_request = (w * self._per_request[0] + count, w * self._per_request[1] + finished)
+        tokens = self.tokens_per_request
+        # Each request decoding through the interval took count / batch = dt × count / total_s
+        # steps: the average over steps forgets exp(-steps / tokens) of what came before, and
+        # weighs the interval's own steps as that decay does within it (their mean weight).
+        steps = (up.t_s - last[0]) * count / total_s if total_s > 0 else 0.0
+        keep, own = 0.0, 1.0  # no request finished yet: this interval alone
+        if tokens:
+            x = steps / tokens
+            keep = math.exp(-x)
+            own = 1.0 if x < 1e-9 else (1.0 - keep) / x
+        self._itl = (keep * self._itl[0] + own * total_s, keep * self._itl[1] + own * count)
         if count > 0:
             self._step_s = ewma_step(self._step_s, total_s / count, RATE_WEIGHT)
             # The ITL sum's rise over the interval is the request-seconds spent waiting for
@@ -144,6 +157,12 @@ class EngineQueue:
             self._step_batch = ewma_step(self._step_batch, batch, RATE_WEIGHT)
 
     @property
+    def tokens_per_request(self) -> float | None:
+        """Tokens after its first a finished request decoded, on average; None before one."""
+        tokens, finished = self._per_request
+        return tokens / finished if finished > 0 and tokens > 0 else None
+
+    @property
     def token_s(self) -> float | None:
         total_s, count = self._itl
-        return total_s / count if count >= 1.0 and self._horizon_s else None
+        return total_s / count if count >= 1.0 and self.tokens_per_request else None
