@@ -71,7 +71,7 @@ class EngineQueue:
         self.load: EngineLoad | None = None  # None until a start rate has been measured
         self._misses = 0  # failed scrapes in a row
         self._tokens: tuple[float, float, float] | None = None  # (t_s, ITL sum, ITL count)
-        self._decoded: tuple[float, float] | None = None  # (decode time sum, count)
+        self._finished: float | None = None  # requests the engine has finished decoding, ever
         self._itl = (0.0, 0.0)  # the ITL sum's and count's rises, averaged over the horizon
         self._step_s: float | None = None  # the last intervals' mean ITL
         self._step_batch: float | None = None  # and the requests decoding over them
@@ -122,9 +122,7 @@ class EngineQueue:
             self._tokens, self._itl, self._step_s, self._step_batch = None, (0.0, 0.0), None, None
             return
         last, self._tokens = self._tokens, (up.t_s, up.itl_sum_s, up.itl_count)
-        decoded, self._decoded = self._decoded, None
-        if up.decode_sum_s is not None and up.decode_count is not None:
-            self._decoded = (up.decode_sum_s, up.decode_count)
+        finished_before, self._finished = self._finished, up.decode_count
         if last is None or up.t_s <= last[0]:
             return
         count, total_s = up.itl_count - last[2], up.itl_sum_s - last[1]
@@ -133,8 +131,8 @@ class EngineQueue:
             self._step_batch = None
             return
         finished = 0.0
-        if decoded is not None and self._decoded is not None:
-            finished = max(self._decoded[1] - decoded[1], 0.0)
+        if finished_before is not None and self._finished is not None:
+            finished = max(self._finished - finished_before, 0.0)
         w = 1.0 - RATE_WEIGHT
         self._per_request = (w * self._per_request[0] + count, w * self._per_request[1] + finished)
         tokens = self.tokens_per_request
