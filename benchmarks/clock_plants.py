@@ -35,20 +35,12 @@ from typing import Any
 
 import numpy as np
 
-import powerbatch.sim.engine as sim_engine
 from powerbatch.control.config import ClockPolicy, ControlConfig
 from powerbatch.control.laws.clock import ClockInput, ClockLaw
 from powerbatch.sim import SimEngine
+from powerbatch.sim.engine import VirtualClock
 from powerbatch.sim.gpu_model import GpuProfile
 from powerbatch.sim.plants import draw_plant, with_clock_physics
-
-
-class VirtualClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def draw(seed: int) -> tuple[GpuProfile, float, int]:
@@ -72,12 +64,12 @@ def run(
     pair_jitter_s: float = 0.0,
 ) -> dict[str, float]:
     clock = VirtualClock()
-    sim_engine.time.monotonic = clock  # type: ignore[attr-defined]
     eng = SimEngine(
         profile,
         seed=seed,
         power_limit_w=min(ceiling_w, profile.tdp_w),
         kv_capacity_tokens=kv_tokens,
+        clock=clock,
     )
     supported = eng.supported_clocks_mhz()[::-1]
     if law is not None:
@@ -115,13 +107,13 @@ def run(
             if rec is None:
                 clock.t = min(next_arrival, t_end)
             else:
-                clock.t = eng._clock_s
+                clock.t = eng.clock_s
                 if rec.decode_tokens:
                     steps.append(rec.step_s)
             if clock.t >= t_end:
                 break
         t_tick = clock.t
-        e = eng.energy_j(eng._clock_s)
+        e = eng.energy_j(eng.clock_s)
         window.append(
             (t_tick, e, eng.prompt_tokens_total, eng.generation_tokens_total, eng.num_running)
         )
@@ -173,7 +165,7 @@ def run(
                     eng.reset_gpu_locked_clocks(g)
     tokens = eng.generation_tokens_total
     return {
-        "j_per_token": eng.energy_j(eng._clock_s) / max(tokens, 1),
+        "j_per_token": eng.energy_j(eng.clock_s) / max(tokens, 1),
         "tokens": float(tokens),
         "step_p95_ms": 1000 * float(np.percentile(steps, 95)) if steps else math.nan,
         "settled_s": math.nan

@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,11 +43,22 @@ __all__ = [
     "SimEngine",
     "SimRequest",
     "StepRecord",
+    "VirtualClock",
     "resolve_profile",
 ]
 
 
 DEFAULT_MAX_NUM_SEQS = 256  # the simulated server's batch limit unless told (vLLM's --max-num-seqs)
+
+
+class VirtualClock:
+    """A clock that stands still until its owner moves `t`: `SimEngine(clock=...)` offline."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
 
 
 class QueueFull(PowerbatchError):
@@ -174,7 +185,9 @@ class SimEngine:
     """Simulated vLLM engine + GPU set. Start it with `await start()` inside an event loop.
 
     `step()` runs one step synchronously on the engine's own clock without sleeping, for tests and
-    offline use; do not mix it with a started engine.
+    offline use; do not mix it with a started engine. `clock` replaces `time.monotonic` there:
+    a virtual clock the caller advances runs the engine faster than real time (`powerbatch.sim.
+    capacity.served_in_slo`, benchmarks/clock_plants.py).
     """
 
     def __init__(
@@ -190,8 +203,10 @@ class SimEngine:
         seed: int = 0,
         trace_capacity: int = 200_000,
         max_lag_s: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.profile = resolve_profile(profile)
+        self._now = clock  # virtual time for offline runs (`step()`); the loop sleeps in real time
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -246,7 +261,7 @@ class SimEngine:
         self.trace: deque[StepRecord] = deque(maxlen=trace_capacity)
 
         # The energy timeline: contiguous segments; the open one is [seg_t0, seg_t1) at seg_power.
-        now = time.monotonic()
+        now = self._now()
         self._t_start = now
         self._clock_s = now  # end of the last closed segment: the engine's own time
         self._energy_j = 0.0  # at _clock_s
@@ -378,7 +393,7 @@ class SimEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._by_id:
             raise ConfigError(f"duplicate request id {rid!r}")
-        req = SimRequest(rid, prompt_tokens, max_tokens, time.monotonic(), pooling=pooling)
+        req = SimRequest(rid, prompt_tokens, max_tokens, self._now(), pooling=pooling)
         self._by_id[rid] = req
         self._waiting.append(req)
         self._wake.set()
@@ -412,6 +427,11 @@ class SimEngine:
     # ---- state ---------------------------------------------------------------------------
 
     @property
+    def clock_s(self) -> float:
+        """The engine's own time: the end of its last step or idle spell (`step()` moves it)."""
+        return self._clock_s
+
+    @property
     def num_running(self) -> int:
         return len(self._running)
 
@@ -434,7 +454,7 @@ class SimEngine:
 
     def energy_j(self, at_s: float | None = None) -> float:
         """Cumulative energy (true power, idle included) since the engine was made."""
-        t = time.monotonic() if at_s is None else at_s
+        t = self._now() if at_s is None else at_s
         if t >= self._clock_s:
             end = t if self._seg_t1 is None else min(t, self._seg_t1)
             return self._energy_j + self._seg_power_w * max(0.0, end - self._clock_s)
@@ -446,7 +466,7 @@ class SimEngine:
     def average_power_w(self, window_s: float = 1.0) -> float:
         """Mean true power over the last `window_s`: what nvmlDeviceGetPowerUsage gives on Hopper
         (NVML API reference: a 1-second average on Ampere, except GA100, and newer)."""
-        now = time.monotonic()
+        now = self._now()
         start = max(now - window_s, self._t_start)
         if now <= start:
             return self._seg_power_w
@@ -459,7 +479,7 @@ class SimEngine:
         p = self.profile
         if p.noise_tau_s <= 0:
             return noisy_readings_w(p, self._seg_power_w, self._rng)
-        now = time.monotonic()
+        now = self._now()
         dt = math.inf if self._noise_t_s is None else now - self._noise_t_s
         self._noise_w = ou_noise_step_w(p, self._noise_w, dt, self._rng)
         self._noise_t_s = now
@@ -487,12 +507,12 @@ class SimEngine:
         return sum(self.instant_power_per_gpu_w())
 
     def trace_since(self, since_s: float = -math.inf) -> Iterator[StepRecord]:
-        """Trace entries starting at or after `since_s` (time.monotonic())."""
+        """Trace entries starting at or after `since_s` (the engine's clock)."""
         return (r for r in self.trace if r.t_s >= since_s)
 
     def snapshot(self) -> dict[str, float | int | str]:
         return {
-            "t_s": time.monotonic(),
+            "t_s": self._now(),
             "profile": self.profile.name,
             "num_gpus": self.profile.num_gpus,
             "tdp_w": self.profile.tdp_w,
@@ -682,7 +702,7 @@ class SimEngine:
         """Run one step at once on the engine clock (no sleep); None when there is no work."""
         if not self._has_work():
             return None
-        self._close_idle(max(self._clock_s, time.monotonic()))
+        self._close_idle(max(self._clock_s, self._now()))
         t0 = self._clock_s
         scheduled, rec = self._plan(t0)
         self._close_segment(t0 + rec.step_s, rec)
@@ -713,7 +733,7 @@ class SimEngine:
         self._running.clear()
         self._waiting.clear()
         if self._seg_t1 is not None:  # a step was cut short: account it up to now
-            now = time.monotonic()
+            now = self._now()
             self._close_segment(min(now, self._seg_t1), None)
             self._open_idle()
 
@@ -743,15 +763,15 @@ class SimEngine:
                 self._open_idle()
                 self._wake.clear()
                 await self._wake.wait()
-                self._close_idle(time.monotonic())
+                self._close_idle(self._now())
                 continue
-            now = time.monotonic()
+            now = self._now()
             if now - self._clock_s > self.max_lag_s:
                 self._close_idle_gap(now)
             t0 = self._clock_s
             scheduled, rec = self._plan(t0)
             t1 = t0 + rec.step_s
-            await asyncio.sleep(max(t1 - time.monotonic(), 0.0))
+            await asyncio.sleep(max(t1 - self._now(), 0.0))
             self._close_segment(t1, rec)
             self.steps_total += 1
             self._complete(scheduled, t1)
