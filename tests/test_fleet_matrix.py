@@ -42,20 +42,32 @@ def test_every_case_has_a_static_split_each_gpu_set_accepts(cases: list[Any]) ->
     assert any(len(set(c.kinds)) > 1 for c in full) and any(len(set(c.meters)) > 1 for c in full)
 
 
+def c_scale(case: Any, factor: float = 1.0) -> Any:
+    """A `LoadScale` at `factor` on the C-sized rates (the measured factor is tested apart)."""
+    plants = case.plants()
+    out = fleet_matrix.output_median(case, plants)
+    hot = tuple(factor * m.hot_rps for m in fleet_matrix.sizing(case, plants, out))
+    return fleet_matrix.LoadScale(out, factor, factor, factor, hot)
+
+
+def sized_plans(case: Any, duration_s: float, factor: float = 1.0) -> Any:
+    scale = c_scale(case, factor)
+    ns = argparse.Namespace(duration_s=duration_s)
+    return lambda i, seed: fleet_matrix.plan_for(case, scale)(i, ns, seed)
+
+
 def test_the_loads_are_what_each_case_says() -> None:
-    a = matrix_args("--duration-s", "40")
     moving, _, diurnal, bursts, even, _ = fleet_matrix.reduced_cases()
-    ns = fleet_matrix.case_args(a, moving)
-    plans = [ns.plan_for(i, ns, 1) for i in range(moving.members)]
-    assert plans == [ns.plan_for(i, ns, 1) for i in range(moving.members)]  # same seeds
+    plan = sized_plans(moving, 40.0)
+    plans = [plan(i, 1) for i in range(moving.members)]
+    assert plans == [plan(i, 1) for i in range(moving.members)]  # same seeds
     for k in range(4):  # the hot member of each window gets the most requests
         counts = [sum(1 for r in p if k * 10 <= r.t_s < (k + 1) * 10) for p in plans]
         assert int(np.argmax(counts)) == k % moving.members
-    ns = fleet_matrix.case_args(a, even)
-    counts = [len(ns.plan_for(i, ns, 1)) for i in range(even.members)]
+    plan = sized_plans(even, 40.0)
+    counts = [len(plan(i, 1)) for i in range(even.members)]
     assert max(counts) < 1.3 * min(counts)  # even: nothing to move
     for case in (diurnal, bursts):  # out of phase: the members' busiest seconds differ
-        ns = fleet_matrix.case_args(a, case)
         starts = [
             [
                 (ph.duration_s, ph.rate_rps)
@@ -64,11 +76,43 @@ def test_the_loads_are_what_each_case_says() -> None:
             for i in range(case.members)
         ]
         assert len({tuple(s) for s in starts}) > 1
-    total = sum(m.hot_rps for m in moving.sizing())
     for case in fleet_matrix.reduced_cases():  # every plan ends (phase boundaries add up)
-        ns = fleet_matrix.case_args(a, case)
-        assert all(ns.plan_for(i, ns, 1) for i in range(case.members))
-    assert total <= fleet_matrix.MAX_FLEET_RPS * 1.01  # answers lengthened to fit
+        plan = sized_plans(case, 40.0, 1.7)
+        assert all(plan(i, 1) for i in range(case.members))
+    # the fleet's peak is the most sent at once: a moving hot spot's members are hot in turn
+    hot = [m.hot_rps for m in moving.sizing()]
+    assert fleet_matrix.fleet_peak_rps(moving, hot) == pytest.approx(
+        max(hot) * fleet_matrix.BURST_PEAK + sum(hot[1:]) / moving.hot_over_cold, rel=1e-6
+    )
+    even_hot = [m.hot_rps for m in even.sizing()]
+    assert fleet_matrix.fleet_peak_rps(even, even_hot) == pytest.approx(sum(even_hot))
+
+
+def test_the_measured_load_lies_between_what_the_split_and_the_best_spread_serve() -> None:
+    """The run's load is measured in the simulated engine (virtual time): the split serves
+    its `split` factor and loses answers above its `most`, and at the run's own load the
+    members at their w_max serve more than the split does."""
+    moving = fleet_matrix.reduced_cases()[0]
+    scale = fleet_matrix.load_scale(moving, 20.0)
+    plants = moving.plants()
+    out = scale.out_median
+    base = [m.hot_rps for m in fleet_matrix.sizing(moving, plants, out)]
+    split_w = [p.ceiling_w for p in plants]
+
+    def share(factor: float, limits: list[float] | None = None) -> float:
+        hot = [factor * h for h in base]
+        if limits is None:  # each member at its w_max for the others' cold rates
+            cold = [h / moving.hot_over_cold for h in hot]
+            limits = fleet_matrix.most_w_all(moving, plants, cold, out)
+        return fleet_matrix.served_share(moving, plants, hot, out, 20.0, limits)
+
+    assert scale.split < scale.run < scale.most and scale.room > 1.3
+    assert share(scale.split, split_w) >= fleet_matrix.SERVED
+    assert share(scale.most) >= fleet_matrix.SERVED
+    assert share(scale.most * 1.2, split_w) < fleet_matrix.SERVED
+    assert share(scale.run, split_w) < share(scale.run)  # something to win
+    assert scale.hot_rps == pytest.approx(tuple(scale.run * h for h in base))
+    assert fleet_matrix.fleet_peak_rps(moving, scale.hot_rps) <= fleet_matrix.MAX_FLEET_RPS * 1.01
 
 
 @pytest.mark.parametrize("cases", [fleet_matrix.reduced_cases(), fleet_matrix.full_cases(1)])
@@ -112,7 +156,8 @@ def test_each_peak_lies_inside_what_the_member_serves_at_its_split_and_at_its_ma
         phases = fleet_matrix.member_phases(c, ns_hot, sized[ns_hot].hot_rps, 1, span_s)
         rates = [ph.rate_rps for ph in phases]
         assert max(rates) == pytest.approx(sized[ns_hot].peak_rps, rel=1e-6)
-        assert sum(m.hot_rps for m in sized) <= fleet_matrix.MAX_FLEET_RPS * 1.01 or out >= 1000
+        peak = fleet_matrix.fleet_peak_rps(c, [m.hot_rps for m in sized])
+        assert peak <= fleet_matrix.MAX_FLEET_RPS * 1.01 or out >= fleet_matrix.MAX_OUTPUT_MEDIAN
 
 
 def test_capacity_rises_with_the_limit_and_need_w_inverts_it() -> None:
@@ -136,17 +181,23 @@ def test_capacity_rises_with_the_limit_and_need_w_inverts_it() -> None:
         assert capacity.need_w(plant, caps[-1] * 2, prompt, output, tpot_slo_s=SLO) == prof.tdp_w
 
 
-def test_the_even_case_sends_no_more_than_the_split_serves() -> None:
-    a = matrix_args("--duration-s", "60")
-    for even in [c for c in fleet_matrix.reduced_cases() + fleet_matrix.full_cases(1)
-                 if c.load == "even"]:  # fmt: skip
-        ns = fleet_matrix.case_args(a, even)
-        sized = even.sizing()
-        for i, m in enumerate(sized):
-            sent = len(ns.plan_for(i, ns, 1)) / a.duration_s
-            assert sent <= m.at_split_rps
-            assert sent == pytest.approx(m.hot_rps, rel=0.2)
-        assert not even.nothing_to_win()
+def test_the_even_case_sends_less_than_the_split_serves() -> None:
+    even = fleet_matrix.Case("even-2", ("h100-8b",) * 2, ("mean-1s",) * 2, 0.6, "even", 30.0,
+                             1.0, fleet_matrix.EVEN_POSITION)  # fmt: skip
+    scale = fleet_matrix.load_scale(even, 20.0)
+    assert scale.most == scale.split and scale.run == pytest.approx(
+        fleet_matrix.EVEN_POSITION * scale.split
+    )
+    plants = even.plants()
+    split_w = [p.ceiling_w for p in plants]
+    share = fleet_matrix.served_share(even, plants, list(scale.hot_rps), scale.out_median, 20.0,
+                                      split_w)  # fmt: skip
+    assert share >= fleet_matrix.SERVED  # in virtual time the split serves all of it
+    plan = fleet_matrix.plan_for(even, scale)
+    for i, hot in enumerate(scale.hot_rps):
+        sent = len(plan(i, argparse.Namespace(duration_s=60.0), 1)) / 60.0
+        assert sent == pytest.approx(hot, rel=0.2)
+    assert not even.nothing_to_win()
 
 
 def test_a_case_with_no_room_reports_nothing_to_win() -> None:
@@ -208,7 +259,7 @@ def test_a_static_split_run_of_a_case_caps_each_gpu_set_and_counts_waiting_work(
     """fleet-bench's runner on a two-member case, hardware caps only (no proxy, no Redis)."""
     a = matrix_args("--duration-s", "3", "--drain-timeout-s", "3")
     case = fleet_matrix.reduced_cases()[1]  # an 8B and a 70B-class set, two meters
-    ns = fleet_matrix.case_args(a, case)
+    ns = fleet_matrix.case_args(a, case, c_scale(case))
     run = asyncio.run(asyncio.wait_for(fleet_bench.run_arm("hwcap", ns, 1, tmp_path), 35))
     assert run["requests"] > 0 and run["seconds"] == 3
     assert run["max_total_w"] > 0

@@ -6,16 +6,20 @@ the members' summed TDP) and a load: a hot spot that moves every 5-60 s at 2-10x
 rate, diurnal days out of phase, uncorrelated bursts, or even load. Every case runs three arms
 on the same seeds, repeat by repeat: `hwcap` (no proxy, each GPU set capped at budget / N: the
 static split), `fleet` (leases, each proxy also sets its GPU's limit) and `fleet-admission`
-(leases, admission alone). Rates are sized by each member's capped capacity C(w)
-(`powerbatch.sim.capacity`: what it serves with its device limit at w within the TPOT SLO):
-a fleet can win only on a hot rate between C(split) (the static split serves anything under it)
-and C(w_max), w_max the most the budget can give the hot member (its TDP, or the budget less
-the lowest limits that serve the cold members' rates); so each member's peak rate is placed at
-`Case.hot_position` inside [C(split), C(w_max)], its cold rate the hot over `hot_over_cold`,
-and the even case at `hot_position` x C(split) (nothing to move: it must cost nothing). A case
-whose widest interval is under `NOTHING_TO_WIN` (C(w_max) / C(split)) is reported as "nothing to
-win" and left out of the matrix's median and worst case. Answers are lengthened where the
-fleet's summed hot rates would pass what two CPU cores can drive (`MAX_FLEET_RPS`).
+(leases, admission alone). A fleet can win only on a load the split cannot serve and a
+better spread of the budget can: each member's load keeps its shape (the hot rates of
+`sizing`, from each member's capped capacity C(w), `powerbatch.sim.capacity`: its peak at
+`Case.hot_position` inside [C(split), C(w_max)], w_max the most the budget can give it: its TDP,
+or the budget less the lowest limits that serve the others' cold rates; its cold rate the hot
+over `hot_over_cold`), and its scale is measured (`LoadScale`): the case's own plans run
+through the simulated engine in virtual time find the largest factor on those rates that the
+static split serves and the largest that each member at its w_max serves, and the run takes
+`hot_position` of the way between (the even case `hot_position` of what the split serves:
+nothing to move, it must cost nothing). C alone is a steady state: a hot spell shorter than
+the queue's TTFT allowance is absorbed, and loads placed by it left the split nothing to lose.
+A case whose measured room (the two factors' ratio) is under `NOTHING_TO_WIN` is reported as
+"nothing to win" and left out of the matrix's median and worst case. Answers are lengthened
+where the fleet's peak arrivals would pass what two CPU cores can drive (`MAX_FLEET_RPS`).
 
 Per case: goodput over the static split's (per repeat), seconds over the budget, mean summed
 power while any member has work waiting over the budget, and the median time for watts to
@@ -30,7 +34,9 @@ import dataclasses
 import json
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +48,7 @@ from powerbatch.cli.process import ChildFailed
 from powerbatch.cli.stack import slo_default_s
 from powerbatch.load.drawn import DIURNAL_SHAPE
 from powerbatch.load.profile import LoadProfile, Phase, PlannedRequest
-from powerbatch.sim.capacity import capped_rps, need_w
+from powerbatch.sim.capacity import capped_rps, need_w, served_in_slo
 from powerbatch.sim.gpu_model import (
     DEFAULT_KV_CAPACITY_TOKENS,
     PROFILES,
@@ -56,15 +62,21 @@ REPORTED_ARMS = ("hwcap", "static", "fleet", "fleet-admission")  # `static`: by 
 FULL_CASES = 24
 SETTLE_S = 6.0  # every arm waits this long before its load: past the proxies' 5-s warm-up
 MAX_FLEET_RPS = 36.0  # the whole fleet's peak arrivals: above it the load client binds
+MAX_OUTPUT_MEDIAN = 4_000.0  # answers lengthened to keep under it, up to this median (tokens)
 PROMPT_MEDIAN, PROMPT_SIGMA, OUTPUT_SIGMA = 600.0, 0.8, 0.6  # LoadProfile's defaults
 MIX = {"high": 0.3, "normal": 0.5, "low": 0.2}
 # Goodput's time-per-token bound, as fleet-bench's: the sizing counts a batch only while its
 # capped step keeps it.
 TPOT_SLO_S = slo_default_s("tpot_slo_s")
+TTFT_SLO_S = slo_default_s("ttft_slo_s")
 BURST_PEAK = 1.3  # a moving hot spot's first half over its mean (then 0.7x), as fleet-bench's
-NOTHING_TO_WIN = 1.05  # C(w_max) / C(split) under this on every member: nothing to move
+NOTHING_TO_WIN = 1.05  # a room (measured, else C(w_max) / C(split)) under this: nothing to move
 EVEN_POSITION = 0.8  # the even load at this share of C(split): served by the split, with margin
 SIZING_ITERATIONS = 6  # hot rates -> cold rates -> w_max -> hot rates, to a fixed point
+SERVED = 0.98  # a load is served while this share of its answers is within the SLOs
+SIZING_SEED = 0  # the plans the load's scale is measured on (no run's own seed)
+SCALE_RANGE = (0.25, 8.0)  # the factors on the analytic rates the measurement searches
+SCALE_STEPS = 7  # bisection steps on the factor's log: 1.03x at the end
 
 # An A100-like set: the 8B fit scaled to a 400-W board (A100 SXM4: TDP 400 W, NVML limit
 # constraints 100-400 W) and to its slower memory (2.0 against 3.35 TB/s: decode 1.7x slower)
@@ -231,7 +243,6 @@ def sizing(case: Case, plants: list[Plant], out_median: float) -> list[MemberSiz
     rates at C(split) (`SIZING_ITERATIONS` rounds; the last w_max is from the last cold rates
     but one)."""
     prompt, output = _means(out_median)
-    budget = case.budget_w()
     slo = TPOT_SLO_S
     at_split = [capped_rps(p, p.ceiling_w, prompt, output, tpot_slo_s=slo) for p in plants]
     burst = BURST_PEAK if case.load == "moving" else 1.0
@@ -252,12 +263,9 @@ def sizing(case: Case, plants: list[Plant], out_median: float) -> list[MemberSiz
     out: list[MemberSizing] = []
     for _ in range(SIZING_ITERATIONS):
         cold = [h / case.hot_over_cold for h in hot]
-        need = [
-            need_w(p, c, prompt, output, tpot_slo_s=slo) for p, c in zip(plants, cold, strict=True)
-        ]
         out = []
-        for i, p in enumerate(plants):
-            most_w = max(min(p.profile.tdp_w, budget - sum(need) + need[i]), p.ceiling_w)
+        for i, (p, most_w) in enumerate(zip(plants, most_w_all(case, plants, cold, out_median),
+                                            strict=True)):  # fmt: skip
             at_most = capped_rps(p, most_w, prompt, output, tpot_slo_s=slo)
             peak = at_split[i] + case.hot_position * (at_most - at_split[i])
             out.append(MemberSizing(p.ceiling_w, at_split[i], most_w, at_most, peak,
@@ -266,14 +274,115 @@ def sizing(case: Case, plants: list[Plant], out_median: float) -> list[MemberSiz
     return out
 
 
+def most_w_all(case: Case, plants: list[Plant], cold_rps: list[float], out_median: float
+               ) -> list[float]:  # fmt: skip
+    """Each member's w_max: its TDP, or the budget less the lowest limits that serve the
+    others' cold rates (C's `need_w`), and never under its split."""
+    prompt, output = _means(out_median)
+    need = [need_w(p, c, prompt, output, tpot_slo_s=TPOT_SLO_S)
+            for p, c in zip(plants, cold_rps, strict=True)]  # fmt: skip
+    budget = case.budget_w()
+    return [max(min(p.profile.tdp_w, budget - sum(need) + need[i]), p.ceiling_w)
+            for i, p in enumerate(plants)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LoadScale:
+    """The case's load, measured: factors on `sizing`'s hot rates, found by running each
+    member's own plan through the simulated engine in virtual time
+    (`capacity.served_in_slo`). C(w) is a steady-state capacity; a hot spell shorter than a
+    queue's TTFT allowance is absorbed, so a load placed by C alone can leave the split nothing
+    to lose (stop 50: it answered every request in time in 11 of 12 runs)."""
+
+    out_median: float  # the answers' median length (tokens)
+    split: float  # the largest factor the static split serves (`SERVED` of its answers in SLO)
+    most: float  # the largest factor each member, at its w_max, serves
+    run: float  # the run's factor: `hot_position` of the way from `split` to `most`
+    hot_rps: tuple[float, ...]  # each member's hot rate at `run`
+
+    @property
+    def room(self) -> float:
+        """The measured room: most / split (the analytic one is C(w_max) / C(split))."""
+        return self.most / self.split
+
+
+def served_share(case: Case, plants: list[Plant], hot_rps: list[float], out_median: float,
+                 duration_s: float, limits_w: list[float]) -> float:  # fmt: skip
+    """The share of the case's answers within the SLOs with member i's hot rate `hot_rps[i]`
+    and its device limit `limits_w[i]` (the plans of `SIZING_SEED`, in virtual time)."""
+    good = sent = 0
+    for i, (p, hot, w) in enumerate(zip(plants, hot_rps, limits_w, strict=True)):
+        g, n = served_in_slo(p, w, _plan(case, i, hot, out_median, SIZING_SEED, duration_s),
+                             ttft_slo_s=TTFT_SLO_S, tpot_slo_s=TPOT_SLO_S)  # fmt: skip
+        good, sent = good + g, sent + n
+    return good / sent if sent else 1.0
+
+
+@lru_cache(maxsize=64)
+def load_scale(case: Case, duration_s: float) -> LoadScale:
+    """The case's measured load (`LoadScale`); answers lengthened, as `output_median`, while
+    the fleet's peak arrivals pass `MAX_FLEET_RPS`."""
+    plants = case.plants()
+    out = output_median(case, plants)
+    for _ in range(4):
+        base = [m.hot_rps for m in sizing(case, plants, out)]
+
+        def served(k: float, at_most: bool, base: list[float] = base, out: float = out) -> bool:
+            hot = [k * h for h in base]
+            limits = (most_w_all(case, plants, [h / case.hot_over_cold for h in hot], out)
+                      if at_most else [p.ceiling_w for p in plants])  # fmt: skip
+            return served_share(case, plants, hot, out, duration_s, limits) >= SERVED
+
+        split = _largest(lambda k: served(k, False))
+        if case.load == "even":
+            most, run = split, case.hot_position * split  # at that share of what it serves
+        else:
+            most = max(_largest(lambda k: served(k, True)), split)
+            run = split + case.hot_position * (most - split)
+        peak = fleet_peak_rps(case, [run * h for h in base])
+        if peak <= MAX_FLEET_RPS * 1.01 or out >= MAX_OUTPUT_MEDIAN:
+            break
+        out = min(out * peak / MAX_FLEET_RPS, MAX_OUTPUT_MEDIAN)
+    return LoadScale(out, split, most, run, tuple(run * h for h in base))
+
+
+def _largest(ok: Callable[[float], bool]) -> float:
+    """The largest factor in `SCALE_RANGE` for which `ok(factor)` holds, by bisection on its
+    log (`SCALE_STEPS`); the range's ends where it holds everywhere or nowhere."""
+    lo, hi = SCALE_RANGE
+    if ok(hi):
+        return hi
+    if not ok(lo):
+        return lo
+    for _ in range(SCALE_STEPS):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def fleet_peak_rps(case: Case, hot_rps: list[float] | tuple[float, ...]) -> float:
+    """The most requests/s the whole fleet is sent at once (a moving hot spot's members are
+    hot in turn; days and bursts out of phase), over every member's turn and three seeds."""
+    span_s = 2.0 * case.members * case.period_s
+    grid = np.arange(0.0, span_s, 0.125)
+    total = np.zeros((3, len(grid)))
+    for k, seed in enumerate((1, 2, 3)):
+        for i, hot in enumerate(hot_rps):
+            phases = member_phases(case, i, hot, seed, span_s)
+            ends = np.cumsum([ph.duration_s for ph in phases])
+            at = np.minimum(np.searchsorted(ends, grid, "right"), len(phases) - 1)
+            total[k] += np.asarray([ph.rate_rps for ph in phases])[at]
+    return float(total.max())
+
+
 def output_median(case: Case, plants: list[Plant]) -> float:
-    """Answers long enough that the fleet's summed hot rates stay under `MAX_FLEET_RPS`."""
+    """Answers long enough that the fleet's peak arrivals stay under `MAX_FLEET_RPS`."""
     out = 180.0
     for _ in range(8):
-        peak = sum(m.hot_rps for m in sizing(case, plants, out))
+        peak = fleet_peak_rps(case, [m.hot_rps for m in sizing(case, plants, out)])
         if peak <= MAX_FLEET_RPS:
             break
-        out = min(out * peak / MAX_FLEET_RPS, 1_000.0)
+        out = min(out * peak / MAX_FLEET_RPS, MAX_OUTPUT_MEDIAN)
     return out
 
 
@@ -323,36 +432,48 @@ def _phases(case: Case, i: int, hot_rps: float, seed: int, duration_s: float) ->
     return [Phase(duration_s, hot_rps)]  # even
 
 
-def plan_for(case: Case, out_median: float) -> Any:
-    """fleet_bench's `plan_for(i, a, seed)` for this case."""
-    rates = sizing(case, case.plants(), out_median)
+def plan_for(case: Case, scale: LoadScale) -> Any:
+    """fleet_bench's `plan_for(i, a, seed)` for this case at its measured load."""
 
     def plan(i: int, a: argparse.Namespace, seed: int) -> list[PlannedRequest]:
-        hot = rates[i].hot_rps
-        phases = member_phases(case, i, hot, seed, a.duration_s)
-        prof = LoadProfile(f"m{i}", tuple(phases), output_median=out_median, priority_mix=MIX)
-        return [r for r in prof.plan(a.duration_s, seed * 100 + i) if r.t_s < a.duration_s]
+        return _plan(case, i, scale.hot_rps[i], scale.out_median, seed, a.duration_s)
 
     return plan
 
 
-def case_args(a: argparse.Namespace, case: Case) -> argparse.Namespace:
-    """fleet_bench's arguments for one case: its fleet, budget, plants and plans."""
+def _plan(case: Case, i: int, hot_rps: float, out_median: float, seed: int, duration_s: float
+          ) -> list[PlannedRequest]:  # fmt: skip
+    phases = member_phases(case, i, hot_rps, seed, duration_s)
+    prof = LoadProfile(f"m{i}", tuple(phases), output_median=out_median, priority_mix=MIX)
+    return [r for r in prof.plan(duration_s, seed * 100 + i) if r.t_s < duration_s]
+
+
+def case_args(
+    a: argparse.Namespace, case: Case, scale: LoadScale | None = None
+) -> argparse.Namespace:
+    """fleet_bench's arguments for one case: its fleet, budget, plants and plans (at `scale`,
+    else at the load `load_scale` measures for the run's length)."""
     ns = argparse.Namespace(**vars(a))
     plants = case.plants()
     ns.members = case.members
     ns.budget_w = case.budget_w()
     ns.plants = plants
     ns.hot_period_s = case.period_s if case.load == "moving" else a.duration_s
-    ns.plan_for = plan_for(case, output_median(case, plants))
+    ns.load_scale = scale or load_scale(case, a.duration_s)
+    ns.plan_for = plan_for(case, ns.load_scale)
     ns.limiter = True  # `fleet-admission` runs without it (fleet_bench.PROXIED_LIMITED)
     ns.settle_s = a.settle_s if a.settle_s is not None else SETTLE_S
     return ns
 
 
-def case_summary(case: Case, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """The case's figures over its repeats."""
+def case_summary(
+    case: Case, runs: dict[str, list[dict[str, Any]]], scale: LoadScale | None = None
+) -> dict[str, Any]:
+    """The case's figures over its repeats (and its measured load, where given)."""
     out: dict[str, Any] = {"case": case.to_json()}
+    if scale is not None:
+        out["case"]["load_scale"] = {**dataclasses.asdict(scale), "room": scale.room}
+        out["case"]["nothing_to_win"] = case.load != "even" and scale.room < NOTHING_TO_WIN
     base = runs.get("hwcap", [])
     for arm in REPORTED_ARMS:
         rs = runs.get(arm, [])
@@ -394,7 +515,7 @@ def _mean(xs: list[Any]) -> float | None:
 def table(summaries: list[dict[str, Any]]) -> str:
     """The markdown table docs/fleet.md carries."""
     head = (
-        "| case | budget | room: C(w_max) / C(split) | goodput / static, limiter "
+        "| case | budget | room (measured) | goodput / static, limiter "
         "| … median of repeats | … admission alone | s over budget "
         "(lim / adm) | power while queued / budget (static / lim / adm) | watts to hot spot, "
         "median s (lim / adm) | fixed-ceiling proxies / static |\n"
@@ -429,7 +550,7 @@ def table(summaries: list[dict[str, Any]]) -> str:
         lim_ratio = _fmt_ratio(lim.get("goodput_over_static", []))
         if c.get("nothing_to_win"):
             lim_ratio = f"nothing to win ({lim_ratio})"
-        room = c.get("room")
+        room = c.get("load_scale", c).get("room")
         rows.append(
             f"| {c['name']} | {c['budget_w']:.0f} W | "
             f"{'—' if room is None else f'{room:.2f}x'} | {lim_ratio} | {med(lim)} | "
@@ -510,10 +631,13 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+ARGS_LEFT_OUT = ("func", "plan_for", "load_scale")
+
+
 def write(
     a: argparse.Namespace, summaries: list[dict[str, Any]], raw: dict[str, Any]
 ) -> dict[str, Any]:
-    doc = {"args": {k: str(v) for k, v in vars(a).items() if k not in ("func", "plan_for")},
+    doc = {"args": {k: str(v) for k, v in vars(a).items() if k not in ARGS_LEFT_OUT},
            "overall": overall(summaries), "cases": summaries}  # fmt: skip
     (a.out / "matrix.json").write_text(json.dumps(doc, indent=1))
     (a.out / "runs.json").write_text(json.dumps(raw, indent=1))
@@ -558,7 +682,7 @@ async def run_matrix(a: argparse.Namespace) -> int:
                 (log / "run.json").write_text(json.dumps(run))  # status rows, 1-s power
                 runs.setdefault(arm, []).append(run)
                 print(json.dumps(fleet_bench.brief(run)), flush=True)
-        summaries.append(case_summary(case, runs))
+        summaries.append(case_summary(case, runs, ns.load_scale))
         raw[case.name] = {arm: [fleet_bench.brief(r) for r in rs] for arm, rs in runs.items()}
         print(table(summaries[-1:]), flush=True)
         doc = write(a, summaries, raw)  # after every case: a cut-short run keeps what it had

@@ -12,6 +12,11 @@ requests a second, prefill at the limit's share of prefill power (`min(1, w / pr
 C(plant, w) is the largest of these. It does not fall as `w` rises (a higher limit never slows
 a step), so the lowest limit that serves a rate (`need_w`) is found by bisection.
 
+What a plan of requests gets within the SLOs is not C: a queue absorbs a burst shorter than its
+TTFT SLO allows, and a member's load swings. `served_in_slo` runs the plan through `SimEngine`
+itself in virtual time (no sleeping: a 20-s plan in well under a second of CPU), the engine the
+benches' servers run, under a limit; the fleet matrix sizes its loads by it.
+
 `admission`'s sizing (`Plant.sustain_rps`: the batch where *uncapped* decode power meets the
 ceiling) is what a member serves when admission holds it under the ceiling; C is what it serves
 when the ceiling is a device limit, 1.1-3.3x more on the fleet matrix's members.
@@ -19,9 +24,11 @@ when the ceiling is a device limit, 1.1-3.3x more on the fleet matrix's members.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import lru_cache
 
-from powerbatch.sim.engine import DEFAULT_MAX_NUM_SEQS
+from powerbatch.load.profile import PlannedRequest
+from powerbatch.sim.engine import DEFAULT_MAX_NUM_SEQS, SimEngine, SimRequest, VirtualClock
 from powerbatch.sim.gpu_model import GpuProfile, prefill_power_w, step_at_clock
 from powerbatch.sim.plants import Plant
 
@@ -84,3 +91,49 @@ def need_w(
         else:
             lo = mid
     return hi
+
+
+def served_in_slo(
+    plant: Plant,
+    limit_w: float,
+    requests: Iterable[PlannedRequest],
+    *,
+    ttft_slo_s: float,
+    tpot_slo_s: float,
+    seed: int = 0,
+) -> tuple[int, int]:
+    """(answered within both SLOs, sent) when `requests` (sent at their `t_s`) run on the plant
+    with its device limit at `limit_w`, in virtual time until the last one ends. An answer's TTFT
+    is from its arrival at the engine and its TPOT the mean gap after the first token, as the
+    load client counts goodput (`RequestResult.within_slo`); no proxy, network or CPU stands
+    between, so a real-time run serves the same or less."""
+    clock = VirtualClock(0.0)
+    eng = SimEngine(
+        plant.profile,
+        kv_capacity_tokens=plant.kv_capacity_tokens,
+        power_limit_w=min(max(limit_w, plant.profile.min_limit_w), plant.profile.tdp_w),
+        seed=seed,
+        clock=clock,
+    )
+    todo = sorted(requests, key=lambda r: r.t_s)
+    sent: list[SimRequest] = []
+    i = 0
+    while True:
+        while i < len(todo) and todo[i].t_s <= clock.t:
+            sent.append(eng.add_request(todo[i].prompt_tokens, todo[i].max_tokens))
+            i += 1
+        if eng.step() is not None:
+            clock.t = eng.clock_s
+        elif i < len(todo):
+            clock.t = todo[i].t_s
+        else:
+            break
+    good = sum(_within_slo(r, ttft_slo_s, tpot_slo_s) for r in sent)
+    return good, len(sent)
+
+
+def _within_slo(r: SimRequest, ttft_slo_s: float, tpot_slo_s: float) -> bool:
+    if r.first_token_s is None or r.first_token_s - r.arrival_s > ttft_slo_s:
+        return False
+    gaps = r.num_output - 1
+    return gaps < 1 or (r.last_token_s - r.first_token_s) / gaps <= tpot_slo_s
