@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from functools import lru_cache
+from typing import Protocol
 
-from powerbatch.load.profile import PlannedRequest
 from powerbatch.sim.engine import DEFAULT_MAX_NUM_SEQS, SimEngine, SimRequest, VirtualClock
 from powerbatch.sim.gpu_model import GpuProfile, prefill_power_w, step_at_clock
 from powerbatch.sim.plants import Plant
@@ -93,10 +93,21 @@ def need_w(
     return hi
 
 
+class Planned(Protocol):
+    """A request to send (`powerbatch.load.profile.PlannedRequest` is one)."""
+
+    @property
+    def t_s(self) -> float: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def max_tokens(self) -> int: ...
+
+
 def served_in_slo(
     plant: Plant,
     limit_w: float,
-    requests: Iterable[PlannedRequest],
+    requests: Iterable[Planned],
     *,
     ttft_slo_s: float,
     tpot_slo_s: float,
