@@ -47,7 +47,7 @@ def c_scale(case: Any, factor: float = 1.0) -> Any:
     plants = case.plants()
     out = fleet_matrix.output_median(case, plants)
     hot = tuple(factor * m.hot_rps for m in fleet_matrix.sizing(case, plants, out))
-    return fleet_matrix.LoadScale(out, factor, factor, factor, hot)
+    return fleet_matrix.LoadScale(out, factor, factor, factor, hot, 0.0)
 
 
 def sized_plans(case: Any, duration_s: float, factor: float = 1.0) -> Any:

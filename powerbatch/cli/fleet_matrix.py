@@ -19,7 +19,9 @@ nothing to move, it must cost nothing). C alone is a steady state: a hot spell s
 the queue's TTFT allowance is absorbed, and loads placed by it left the split nothing to lose.
 A case whose measured room (the two factors' ratio) is under `NOTHING_TO_WIN` is reported as
 "nothing to win" and left out of the matrix's median and worst case. Answers are lengthened
-where the fleet's peak arrivals would pass what two CPU cores can drive (`MAX_FLEET_RPS`).
+where the fleet's peak arrivals would pass what two CPU cores can drive (`MAX_FLEET_RPS`), up
+to `MAX_OUTPUT_MEDIAN` (an answer longer than the run measures how many requests a server
+holds, not what it serves); the peak a case reaches is in its JSON (`load_scale.peak_rps`).
 
 Per case: goodput over the static split's (per repeat), seconds over the budget, mean summed
 power while any member has work waiting over the budget, and the median time for watts to
@@ -62,7 +64,7 @@ REPORTED_ARMS = ("hwcap", "static", "fleet", "fleet-admission")  # `static`: by 
 FULL_CASES = 24
 SETTLE_S = 6.0  # every arm waits this long before its load: past the proxies' 5-s warm-up
 MAX_FLEET_RPS = 36.0  # the whole fleet's peak arrivals: above it the load client binds
-MAX_OUTPUT_MEDIAN = 4_000.0  # answers lengthened to keep under it, up to this median (tokens)
+MAX_OUTPUT_MEDIAN = 1_000.0  # answers lengthened to keep under it, up to this median (tokens)
 PROMPT_MEDIAN, PROMPT_SIGMA, OUTPUT_SIGMA = 600.0, 0.8, 0.6  # LoadProfile's defaults
 MIX = {"high": 0.3, "normal": 0.5, "low": 0.2}
 # Goodput's time-per-token bound, as fleet-bench's: the sizing counts a batch only while its
@@ -299,6 +301,8 @@ class LoadScale:
     most: float  # the largest factor each member, at its w_max, serves
     run: float  # the run's factor: `hot_position` of the way from `split` to `most`
     hot_rps: tuple[float, ...]  # each member's hot rate at `run`
+    peak_rps: float  # the fleet's peak arrivals at `run` (over `MAX_FLEET_RPS` where answers
+    # reached `MAX_OUTPUT_MEDIAN` first, or the lengthening did not settle in four rounds)
 
     @property
     def room(self) -> float:
@@ -343,7 +347,7 @@ def load_scale(case: Case, duration_s: float) -> LoadScale:
         if peak <= MAX_FLEET_RPS * 1.01 or out >= MAX_OUTPUT_MEDIAN:
             break
         out = min(out * peak / MAX_FLEET_RPS, MAX_OUTPUT_MEDIAN)
-    return LoadScale(out, split, most, run, tuple(run * h for h in base))
+    return LoadScale(out, split, most, run, tuple(run * h for h in base), peak)
 
 
 def _largest(ok: Callable[[float], bool]) -> float:
