@@ -117,7 +117,8 @@ class Case:
     load: str  # moving | diurnal | bursts | even
     period_s: float  # hot spot's period; a day's length; bursts' mean spacing
     hot_over_cold: float
-    hot_position: float  # 0..1: peak at C(split) + this x (C(w_max) - C(split)); even: x C(split)
+    hot_position: float  # 0..1: the load this far from what the split serves to what the best
+    # spread serves (C's interval for the shape, `LoadScale` for the scale); even: x the split's
 
     @property
     def members(self) -> int:
@@ -156,13 +157,14 @@ class Case:
         return sizing(self, plants, output_median(self, plants))
 
     def room(self) -> float:
-        """The widest C(w_max) / C(split) over the members: the most a fleet can win."""
+        """C's estimate of the most a fleet can win: the widest C(w_max) / C(split) over the
+        members (`LoadScale.room` is the measured one)."""
         return max(m.room for m in self.sizing())
 
-    def nothing_to_win(self) -> bool:
-        """No member's rate can be served better by moving watts (even load is judged on its
-        own goal: it must cost nothing)."""
-        return self.load != "even" and self.room() < NOTHING_TO_WIN
+    def nothing_to_win(self, room: float | None = None) -> bool:
+        """No member's rate can be served better by moving watts, by `room` (C's where not
+        given); even load is judged on its own goal: it must cost nothing."""
+        return self.load != "even" and (self.room() if room is None else room) < NOTHING_TO_WIN
 
     def to_json(self) -> dict[str, Any]:
         plants = self.plants()
@@ -477,7 +479,7 @@ def case_summary(
     out: dict[str, Any] = {"case": case.to_json()}
     if scale is not None:
         out["case"]["load_scale"] = {**dataclasses.asdict(scale), "room": scale.room}
-        out["case"]["nothing_to_win"] = case.load != "even" and scale.room < NOTHING_TO_WIN
+        out["case"]["nothing_to_win"] = case.nothing_to_win(scale.room)
     base = runs.get("hwcap", [])
     for arm in REPORTED_ARMS:
         rs = runs.get(arm, [])
