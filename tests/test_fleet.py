@@ -518,6 +518,54 @@ def test_a_woken_member_renews_at_once_and_one_whose_work_waits_wakes_itself(
     run(body)
 
 
+def test_a_member_whose_first_work_comes_after_an_idle_bid_renews_at_once(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """On a 5-s period, a member that bid idle (no value: the leader lends its split away)
+    renews within a fraction of a second of its tick first showing work in flight, once; a
+    member that bid work does not."""
+    from powerbatch.fleet.lowering import Meter
+
+    async def body() -> None:
+        settings = FleetSettings(
+            fleet_budget="first-work",
+            fleet_budget_w=BUDGET_W,
+            fleet_redis_url=redis_server.url,
+            fleet_members=2,
+            fleet_lease_ttl_s=15.0,
+            fleet_publish_interval_s=5.0,
+        )
+        in_flight = 0
+        m = FleetMember(
+            settings,
+            "m",
+            signals=lambda: MemberSignals(in_flight=in_flight, value_per_w=0.01 * in_flight),
+            meter=lambda: Meter(in_flight=in_flight),
+        )
+        await m.start()
+        try:
+            await async_wait_until(lambda: m.lease.last_ok_sent is not None, 5, "first renewal")
+            assert m.bid.get("value_per_w") == 0.0
+            m.ceiling_w(0.0)
+            await asyncio.sleep(0.3)
+            sent = m.lease.last_ok_sent
+            in_flight = 3
+            m.ceiling_w(0.0)
+            await async_wait_until(lambda: m.lease.last_ok_sent != sent, 1.0, "a renewal")
+            await async_wait_until(lambda: m.bid.get("in_flight") == 3, 1.0, "work bid")
+            sent = m.lease.last_ok_sent
+            in_flight = 0
+            m.ceiling_w(0.0)
+            in_flight = 2  # work again, but the last bid had it: nothing to tell
+            m.ceiling_w(0.0)
+            await asyncio.sleep(0.3)
+            assert m.lease.last_ok_sent == sent, "the bid already says work: no renewal"
+        finally:
+            await m.stop()
+
+    run(body)
+
+
 class ReplyAsStopped:
     """A Redis client whose reply is ready just as the member is stopped. redis-py sends each
     command through `asyncio.wait_for`, which on Python 3.11 then returns the inner result and

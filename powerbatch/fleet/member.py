@@ -233,6 +233,7 @@ class FleetMember:
         self.lowering = Lowering()
         self._wake = asyncio.Event()  # an early renewal (`run`)
         self._waits = False  # work waited at the last tick
+        self._busy = False  # work was in flight or queued at the last tick
         self.clock = clock
         self.metrics = FleetMetrics(registry)
         self.book = RedisBook(settings, member_id, client)
@@ -266,6 +267,15 @@ class FleetMember:
         if waits and not self._waits and not self.bid.get("needy"):
             self._wake.set()  # work began to wait: bid needy now (the leader is woken in turn)
         self._waits = waits
+        busy = meter.in_flight + meter.queued > 0
+        idle_bid = not self.bid.get("in_flight") and self.bid.get("value_per_w", 0.0) <= 0.0
+        if busy and not self._busy and idle_bid:
+            # Work came where the last bid said none: bid it now. The leader lends an idle
+            # member's split away, and an allocation on the old bid took a member that had
+            # just been sent its first requests down to its lowest limit for 1-2 s (the
+            # diurnal case's start, docs/fleet.md, stop 52).
+            self._wake.set()
+        self._busy = busy
         m = self.metrics
         m.share_w.set(share)
         m.fallback.set(0.0 if stage == Stage.LIVE else 1.0)
