@@ -350,7 +350,8 @@ class FleetMember:
 
     async def run(self) -> None:
         """Renew a period after the last renewal began, or at once when woken: by this member's
-        own loop (a lower limit in force, work that began to wait) or by the scripts, through
+        own loop (a lower limit in force, work that began to wait, work where its last bid said
+        none) or by the scripts, through
         `_listen`. redis-py may drop a cancel (Python 3.11's `wait_for` returns an inner result
         ready when the cancel came): a cancel still pending after a step ends the loop too, else
         stop() or asyncio.run's shutdown waits for ever."""
