@@ -21,7 +21,8 @@ import statistics
 
 from powerbatch.cli import fleet_matrix
 from powerbatch.control.engine_queue import EngineQueue
-from powerbatch.sim.engine import SimEngine, SimRequest, VirtualClock
+from powerbatch.sim.capacity import replay
+from powerbatch.sim.engine import SimEngine, SimRequest
 from powerbatch.telemetry import UpstreamSignals
 
 
@@ -45,35 +46,21 @@ def main() -> None:
         case, a.member, scale.hot_rps[a.member], scale.out_median, a.seed, a.duration_s
     )
     plant = case.plants()[a.member]
-    clock = VirtualClock(0.0)
-    eng = SimEngine(plant.profile, kv_capacity_tokens=plant.kv_capacity_tokens,
-                    power_limit_w=a.limit_w, seed=0, clock=clock)  # fmt: skip
     queue = EngineQueue()
-    todo = sorted(plan, key=lambda r: r.t_s)
-    sent: list[SimRequest] = []
     seen: list[tuple[float, float | None, float | None, int]] = []
-    i, scrape_s = 0, 0.0
-    while True:
-        while i < len(todo) and todo[i].t_s <= clock.t:
-            sent.append(eng.add_request(todo[i].prompt_tokens, todo[i].max_tokens))
-            i += 1
-        if clock.t >= scrape_s:
-            up = UpstreamSignals(
-                eng.num_running, eng.num_waiting, eng.kv_usage, clock.t,
-                requests_started_total=eng.requests_started_total, itl_sum_s=eng.itl_total_s,
-                itl_count=eng.itl_count, decode_sum_s=eng.decode_total_s,
-                decode_count=eng.decode_count, generation_tokens_total=eng.generation_tokens_total,
-            )  # fmt: skip
-            queue.update(up, len(sent), eng.num_running + eng.num_waiting)
-            step = queue.load.step_s if queue.load is not None else None
-            seen.append((clock.t, queue.token_s, step, eng.requests_finished))
-            scrape_s += 1.0
-        if eng.step() is not None:
-            clock.t = eng.clock_s
-        elif i < len(todo):
-            clock.t = todo[i].t_s
-        else:
-            break
+
+    def scrape(t_s: float, eng: SimEngine, sent: list[SimRequest]) -> None:
+        up = UpstreamSignals(
+            eng.num_running, eng.num_waiting, eng.kv_usage, t_s,
+            requests_started_total=eng.requests_started_total, itl_sum_s=eng.itl_total_s,
+            itl_count=eng.itl_count, decode_sum_s=eng.decode_total_s,
+            decode_count=eng.decode_count, generation_tokens_total=eng.generation_tokens_total,
+        )  # fmt: skip
+        queue.update(up, len(sent), eng.num_running + eng.num_waiting)
+        step = queue.load.step_s if queue.load is not None else None
+        seen.append((t_s, queue.token_s, step, eng.requests_finished))
+
+    sent = replay(plant, a.limit_w, plan, each=scrape)
     slo_s = fleet_matrix.TPOT_SLO_S
     print(f"{case.name}, member {a.member} ({plant.profile.name}), seed {a.seed}, "
           f"{a.limit_w:.0f} W, {len(sent)} requests, TPOT SLO {slo_s * 1000:.0f} ms")  # fmt: skip

@@ -469,6 +469,18 @@ def test_the_scripts_wake_the_member_a_move_waits_on(
     run(body)
 
 
+def slow_periods(budget: str, redis_url: str) -> FleetSettings:
+    """Two members renewing every 5 s: a renewal within a fraction of a second is a wake-up's."""
+    return FleetSettings(
+        fleet_budget=budget,
+        fleet_budget_w=BUDGET_W,
+        fleet_redis_url=redis_url,
+        fleet_members=2,
+        fleet_lease_ttl_s=15.0,
+        fleet_publish_interval_s=5.0,
+    )
+
+
 def test_a_woken_member_renews_at_once_and_one_whose_work_waits_wakes_itself(
     redis_server: RedisServer,  # noqa: F811
 ) -> None:
@@ -477,14 +489,7 @@ def test_a_woken_member_renews_at_once_and_one_whose_work_waits_wakes_itself(
     from powerbatch.fleet.lowering import Meter
 
     async def body() -> None:
-        settings = FleetSettings(
-            fleet_budget="woken",
-            fleet_budget_w=BUDGET_W,
-            fleet_redis_url=redis_server.url,
-            fleet_members=2,
-            fleet_lease_ttl_s=15.0,
-            fleet_publish_interval_s=5.0,
-        )
+        settings = slow_periods("woken", redis_server.url)
         queued = 0
         m = FleetMember(
             settings,
@@ -527,14 +532,7 @@ def test_a_member_whose_first_work_comes_after_an_idle_bid_renews_at_once(
     from powerbatch.fleet.lowering import Meter
 
     async def body() -> None:
-        settings = FleetSettings(
-            fleet_budget="first-work",
-            fleet_budget_w=BUDGET_W,
-            fleet_redis_url=redis_server.url,
-            fleet_members=2,
-            fleet_lease_ttl_s=15.0,
-            fleet_publish_interval_s=5.0,
-        )
+        settings = slow_periods("first-work", redis_server.url)
         in_flight = 0
         m = FleetMember(
             settings,

@@ -24,7 +24,7 @@ when the ceiling is a device limit, 1.1-3.3x more on the fleet matrix's members.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import lru_cache
 from typing import Protocol
 
@@ -118,6 +118,23 @@ def served_in_slo(
     is from its arrival at the engine and its TPOT the mean gap after the first token, as the
     load client counts goodput (`RequestResult.within_slo`); no proxy, network or CPU stands
     between, so a real-time run serves the same or less."""
+    sent = replay(plant, limit_w, requests, seed=seed)
+    good = sum(_within_slo(r, ttft_slo_s, tpot_slo_s) for r in sent)
+    return good, len(sent)
+
+
+def replay(
+    plant: Plant,
+    limit_w: float,
+    requests: Iterable[Planned],
+    *,
+    seed: int = 0,
+    every_s: float = 1.0,
+    each: Callable[[float, SimEngine, list[SimRequest]], None] | None = None,
+) -> list[SimRequest]:
+    """The requests sent (each at its `t_s`) to a `SimEngine` of the plant under a device limit
+    of `limit_w`, stepped in virtual time until the last one ends; `each(t_s, engine, sent)`
+    runs once per `every_s` of virtual time (a scrape's view of the engine at `t_s`)."""
     clock = VirtualClock(0.0)
     eng = SimEngine(
         plant.profile,
@@ -128,19 +145,21 @@ def served_in_slo(
     )
     todo = sorted(requests, key=lambda r: r.t_s)
     sent: list[SimRequest] = []
-    i = 0
+    i, next_s = 0, 0.0
     while True:
         while i < len(todo) and todo[i].t_s <= clock.t:
             sent.append(eng.add_request(todo[i].prompt_tokens, todo[i].max_tokens))
             i += 1
+        if each is not None and clock.t >= next_s:
+            each(clock.t, eng, sent)
+            next_s += every_s
         if eng.step() is not None:
             clock.t = eng.clock_s
         elif i < len(todo):
             clock.t = todo[i].t_s
         else:
             break
-    good = sum(_within_slo(r, ttft_slo_s, tpot_slo_s) for r in sent)
-    return good, len(sent)
+    return sent
 
 
 def _within_slo(r: SimRequest, ttft_slo_s: float, tpot_slo_s: float) -> bool:
