@@ -26,11 +26,6 @@ from powerbatch.sim.engine import SimEngine, SimRequest
 from powerbatch.telemetry import UpstreamSignals
 
 
-def tpot_s(r: SimRequest) -> float | None:
-    gaps = r.num_output - 1
-    return (r.last_token_s - (r.first_token_s or 0.0)) / gaps if gaps >= 1 else None
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--case", default="diurnal-4mixed-65%")
@@ -42,7 +37,7 @@ def main() -> None:
     case = next(c for c in fleet_matrix.reduced_cases() + fleet_matrix.full_cases()
                 if c.name == a.case)  # fmt: skip
     scale = fleet_matrix.load_scale(case, a.duration_s)
-    plan = fleet_matrix._plan(
+    plan = fleet_matrix.member_plan(
         case, a.member, scale.hot_rps[a.member], scale.out_median, a.seed, a.duration_s
     )
     plant = case.plants()[a.member]
@@ -74,7 +69,7 @@ def main() -> None:
         if t > a.duration_s:
             break
         ends = [x for r in sent if r.first_token_s is not None and r.first_token_s <= t
-                < r.last_token_s and (x := tpot_s(r)) is not None]  # fmt: skip
+                < r.last_token_s and (x := r.tpot_s) is not None]  # fmt: skip
         p95 = statistics.quantiles(ends, n=20)[-1] if len(ends) >= 5 else None
         mean = statistics.mean(ends) if ends else None
         print(

@@ -318,7 +318,7 @@ def served_share(case: Case, plants: list[Plant], hot_rps: list[float], out_medi
     and its device limit `limits_w[i]` (the plans of `SIZING_SEED`, in virtual time)."""
     good = sent = 0
     for i, (p, hot, w) in enumerate(zip(plants, hot_rps, limits_w, strict=True)):
-        g, n = served_in_slo(p, w, _plan(case, i, hot, out_median, SIZING_SEED, duration_s),
+        g, n = served_in_slo(p, w, member_plan(case, i, hot, out_median, SIZING_SEED, duration_s),
                              ttft_slo_s=TTFT_SLO_S, tpot_slo_s=TPOT_SLO_S)  # fmt: skip
         good, sent = good + g, sent + n
     return good / sent if sent else 1.0
@@ -442,13 +442,16 @@ def plan_for(case: Case, scale: LoadScale) -> Any:
     """fleet_bench's `plan_for(i, a, seed)` for this case at its measured load."""
 
     def plan(i: int, a: argparse.Namespace, seed: int) -> list[PlannedRequest]:
-        return _plan(case, i, scale.hot_rps[i], scale.out_median, seed, a.duration_s)
+        return member_plan(case, i, scale.hot_rps[i], scale.out_median, seed, a.duration_s)
 
     return plan
 
 
-def _plan(case: Case, i: int, hot_rps: float, out_median: float, seed: int, duration_s: float
-          ) -> list[PlannedRequest]:  # fmt: skip
+def member_plan(
+    case: Case, i: int, hot_rps: float, out_median: float, seed: int, duration_s: float
+) -> list[PlannedRequest]:
+    """Member i's requests over the run: its phases (`member_phases`) at `hot_rps`, answers
+    of median `out_median` tokens, drawn from `seed`."""
     phases = member_phases(case, i, hot_rps, seed, duration_s)
     prof = LoadProfile(f"m{i}", tuple(phases), output_median=out_median, priority_mix=MIX)
     return [r for r in prof.plan(duration_s, seed * 100 + i) if r.t_s < duration_s]

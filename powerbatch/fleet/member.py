@@ -268,8 +268,7 @@ class FleetMember:
             self._wake.set()  # work began to wait: bid needy now (the leader is woken in turn)
         self._waits = waits
         busy = meter.in_flight + meter.queued > 0
-        idle_bid = not self.bid.get("in_flight") and self.bid.get("value_per_w", 0.0) <= 0.0
-        if busy and not self._busy and idle_bid:
+        if busy and not self._busy and not self._bid_has_work():
             # Work came where the last bid said none: bid it now. The leader lends an idle
             # member's split away, and an allocation on the old bid took a member that had
             # just been sent its first requests down to its lowest limit for 1-2 s (the
@@ -282,6 +281,11 @@ class FleetMember:
         if self.lease.last_ok_sent is not None:
             m.lease_age_s.set(now - self.lease.last_ok_sent)
         return max(shown, 1.0)
+
+    def _bid_has_work(self) -> bool:
+        """Whether the last bid told the allocator of any work (requests in flight, or a
+        value: `allocate._idle` lends the split of a member with none)."""
+        return bool(self.bid.get("in_flight")) or self.bid.get("value_per_w", 0.0) > 0.0
 
     def device_limit_w(self, t_s: float) -> float | None:
         """The device limit to ask for under the ceiling while a share falls (else None)."""

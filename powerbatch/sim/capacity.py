@@ -165,5 +165,4 @@ def replay(
 def _within_slo(r: SimRequest, ttft_slo_s: float, tpot_slo_s: float) -> bool:
     if r.first_token_s is None or r.first_token_s - r.arrival_s > ttft_slo_s:
         return False
-    gaps = r.num_output - 1
-    return gaps < 1 or (r.last_token_s - r.first_token_s) / gaps <= tpot_slo_s
+    return r.tpot_s is None or r.tpot_s <= tpot_slo_s

@@ -154,6 +154,15 @@ class SimRequest:
     def seq_tokens(self) -> int:
         return self.prompt_tokens + self.num_output
 
+    @property
+    def tpot_s(self) -> float | None:
+        """The mean gap between its output tokens after the first (what TPOT measures); None
+        before it has two."""
+        gaps = self.num_output - 1
+        if self.first_token_s is None or gaps < 1:
+            return None
+        return (self.last_token_s - self.first_token_s) / gaps
+
     async def wait_tokens(self, at_least: int) -> int:
         """Wait until `at_least` tokens exist or the request ends; return the token count.
 
