@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import subprocess
+import sys
 from typing import Any
 
 import aiohttp
@@ -228,3 +230,35 @@ def test_bench_scenario_takes_the_drawn_plant_with_clock_physics_drawn_in_range(
     assert gpus.count(",") + 1 == prof.num_gpus
     b = argparse.Namespace(scenario=None)
     assert apply_scenario(b) is None and b.plant is None
+
+
+def test_the_scenario_bench_draws_the_same_clock_plant_as_bench_scenario() -> None:
+    """`powerbatch scenarios --cap-by-clock` judges the clock arm on the plant that `powerbatch
+    bench --scenario SEED:K --cap-by-clock` runs alone: the same draw, load and clock constants,
+    so that a bad case is rerun with every baseline arm."""
+    import argparse
+
+    from powerbatch.cli.bench import apply_scenario
+    from powerbatch.cli.scenarios import clock_args, draw_scenario
+
+    plain, clocked = draw_scenario(1, 4), draw_scenario(1, 4, clock_physics=True)
+    assert clocked.plant.profile.cap_by_clock and not plain.plant.profile.cap_by_clock
+    assert clocked.plant.draw == plain.plant.draw and clocked.load.draw == plain.load.draw
+    a = argparse.Namespace(scenario="1:4", cap_by_clock=True)
+    apply_scenario(a)
+    assert a.plant == clocked.plant
+    args = clock_args(clocked.plant)
+    prof = clocked.plant.profile
+    assert args[args.index("--clock-range-mhz") + 1] == (
+        f"{prof.sm_clock_min_mhz},{prof.sm_clock_max_mhz}"
+    )
+
+
+def test_the_scenario_clock_arm_needs_the_clock_physics() -> None:
+    """The clock arm's J/token means something only against a cap on the same physics: asked
+    for without `--cap-by-clock`, the bench says so and runs nothing."""
+    cmd = [sys.executable, "-m", "powerbatch", "scenarios", "-n", "1"]
+    proc = subprocess.run(
+        [*cmd, "--arms", "hwcap,powerbatch-clock"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2 and "--cap-by-clock" in proc.stdout, proc.stdout + proc.stderr

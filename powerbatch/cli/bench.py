@@ -18,7 +18,6 @@ import math
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -135,17 +134,11 @@ def apply_scenario(a: argparse.Namespace) -> LoadProfile | None:
     if not getattr(a, "scenario", None):
         a.plant = None
         return None
-    import numpy as np
-
     from powerbatch.cli.scenarios import draw_scenario  # it imports this module
-    from powerbatch.sim.plants import with_clock_physics
 
     seed, index = (int(x) for x in str(a.scenario).split(":"))
-    sc = draw_scenario(seed, index)
+    sc = draw_scenario(seed, index, clock_physics=getattr(a, "cap_by_clock", False))
     plant = sc.plant
-    if getattr(a, "cap_by_clock", False):
-        physics = with_clock_physics(plant.profile, np.random.default_rng([seed, index, 24]))
-        plant = replace(plant, profile=physics)
     a.plant, a.ceiling_w, a.gpu = plant, plant.ceiling_w, plant.profile.name
     return sc.load.profile
 
