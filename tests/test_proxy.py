@@ -340,3 +340,28 @@ def test_a_step_in_an_exporters_one_second_mean_is_not_held_back(metric: str) ->
         assert after_step_w == 500.0  # a lone jump in instant readings is despiked
     else:
         assert after_step_w == 600.0
+
+
+def test_a_whole_answer_gives_the_laws_no_first_token() -> None:
+    """A whole answer's client sees its first token with its last: the proxy never sees when
+    it came. Its end, taken for a first token, read a long answer's 15 s as a TTFT far over the
+    SLO, and the SM clock's guard and the fleet bid's risk acted on it (docs/clock.md, stop 53).
+    A stream's first token is seen, and counted."""
+
+    async def body(sim: SimServer, url: str, gov: Governor) -> None:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        msgs: Any = [{"role": "user", "content": "hello"}]
+        for _ in range(3):
+            await client.chat.completions.create(model="sim-llama", messages=msgs, max_tokens=40)
+        lat = gov.latency.snapshot(asyncio.get_running_loop().time())
+        assert lat.samples == 0, lat
+        stream = await client.chat.completions.create(
+            model="sim-llama", messages=msgs, max_tokens=40, stream=True
+        )
+        async for _ in stream:
+            pass
+        await client.close()
+        lat = gov.latency.snapshot(asyncio.get_running_loop().time())
+        assert lat.samples == 1, lat
+
+    with_stack(body)

@@ -266,16 +266,22 @@ class Accounting:
         self.gov = gov
         self.access_log = settings.access_log
 
-    def ok(self, call: Call, *, first_s: float, last_s: float, tokens: int | None) -> None:
+    def ok(self, call: Call, *, first_s: float | None, last_s: float, tokens: int | None) -> None:
+        """`first_s` None: a whole answer, whose first token the proxy never saw. Its end is
+        no first token: counted as one, a 500-token answer's 15 s read as a TTFT far over its
+        SLO, and the laws that guard the first token (the SM clock's, the fleet bid's risk)
+        held the top clock and bid at risk on loads whose streams started in 0.4 s (docs/clock.md,
+        stop 53)."""
         s, t0 = call.series, call.t0
-        ttft_s = first_s - t0
+        ttft_s = None if first_s is None else first_s - t0
         tpot_s = (
             (last_s - first_s) / (tokens - 1)
-            if tokens and tokens > 1 and last_s > first_s
+            if first_s is not None and tokens and tokens > 1 and last_s > first_s
             else None
         )
         s.outcomes["ok"].inc()
-        s.ttft_s.observe(ttft_s)
+        if ttft_s is not None:
+            s.ttft_s.observe(ttft_s)
         s.e2e_s.observe(last_s - t0)
         if tpot_s is not None:
             s.tpot_s.observe(tpot_s)
@@ -327,7 +333,7 @@ class BodyRelay:
                 call.series.outcomes["ok"].inc()
                 call.series.e2e_s.observe(now - call.t0)
             else:
-                self.acc.ok(call, first_s=now, last_s=now, tokens=tokens)
+                self.acc.ok(call, first_s=None, last_s=now, tokens=tokens)
             prompt = prompt or call.info.prompt_tokens
             energy_j = self.gov.energy.finish(call.rec)
             self.gov.energy.count_tokens(call.rec.labels, prompt, tokens or 0)
