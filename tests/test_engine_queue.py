@@ -315,3 +315,34 @@ def test_a_prefill_burst_reads_as_what_a_request_spanning_it_shows_not_as_the_bu
     spanning = (3.6 * 0.28 + 12.4 * 0.02) / 16.0
     assert q.load is not None and q.load.step_s is not None and q.load.step_s > 0.09
     assert q.load.token_s is not None and 0.8 * spanning < q.load.token_s < 0.1
+
+
+def test_the_first_finished_request_averages_every_step_since_decoding_began() -> None:
+    """Before any request has finished, the average must keep what it has seen: the requests
+    running have decoded through all of it. Forgetting each interval made the first reading,
+    at the first finished request, one interval alone: a fleet member's first reading was a
+    prefill burst's 0.16-s step, the latency law cut its batch from 82 to 61 on it, and 98 of
+    its 237 requests then missed their first token (the hardware split's: 21;
+    docs/fleet.md, stop 54)."""
+    q = EngineQueue()
+    batch, t, itl_s, itl_n = 50, 0.0, 0.0, 0.0
+
+    def scrape(step_s: float, finished: float) -> None:
+        nonlocal t, itl_s, itl_n
+        t += 1.0
+        itl_s, itl_n = itl_s + batch * 1.0, itl_n + batch / step_s
+        up = UpstreamSignals(
+            batch, 0, 0.5, t, requests_started_total=batch, itl_sum_s=itl_s,
+            itl_count=itl_n, decode_sum_s=5.0 * finished, decode_count=finished,
+        )  # fmt: skip
+        q.update(up, admitted=batch, in_flight=batch)
+
+    for _ in range(5):
+        scrape(0.02, 0.0)
+    assert q.load is not None and q.load.token_s is None  # nothing finished: no horizon yet
+    scrape(0.2, 1.0)  # a burst's slow second, and the first request ends (250 tokens)
+    # Every step so far: 5 s at 50 tokens a second, 1 s at 5, per request.
+    mean = 6.0 / (5 * 50.0 + 5.0)
+    assert q.load is not None and q.load.token_s is not None
+    assert q.load.token_s == pytest.approx(mean, rel=0.1)
+    assert q.load.token_s < 0.05 < q.load.step_s

@@ -21,8 +21,11 @@ average of both that forgets, per interval, the steps a decoding request took in
 count's rise over the requests decoding through it) over the tokens a request decodes (the
 count's rises over the finished requests' rises, `vllm:request_decode_time_seconds`' count:
 vllm/v1/metrics/stats.py); none until a request has finished, since one interval alone is one
-prefill burst. A prefill burst that slows a few steps slows no request much, a batch too large
-for the SLO slows every one. That is what the requests running now will show at their end, a
+prefill burst. Until then nothing is forgotten: the requests running have decoded through every
+step since the first (forgotten each interval instead, the first reading was the last interval
+alone, and a fleet member's first was a burst's 0.16-s step: docs/fleet.md, stop 54). A prefill
+burst that slows a few steps slows no request much, a batch too large for the SLO slows every
+one. That is what the requests running now will show at their end, a
 request's length before a window of finished requests' p95 does. (Forgotten over a decode
 *time* instead, a burst's slow second weighed as much as a decode's fast seconds: at a fleet
 member's burst this average read 0.10-0.23 s a token against a 0.1-s SLO while the requests
@@ -140,7 +143,7 @@ class EngineQueue:
         # steps: the average over steps forgets exp(-steps / tokens) of what came before, and
         # weighs the interval's own steps as that decay does within it (their mean weight).
         steps = (up.t_s - last[0]) * count / total_s if total_s > 0 else 0.0
-        keep, own = 0.0, 1.0  # no request finished yet: this interval alone
+        keep, own = 1.0, 1.0  # no request finished yet: every step since decoding began
         if tokens:
             x = steps / tokens
             keep = math.exp(-x)
