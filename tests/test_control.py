@@ -10,6 +10,7 @@ import numpy as np
 
 from powerbatch.control import ControlConfig, EngineLoad, LatencySnapshot, Observation
 from powerbatch.control.controller import Controller
+from powerbatch.control.laws.engine import EngineLaw
 from powerbatch.estimate import Features
 
 Plant = Callable[[float], float]  # mean 1-second power at a batch
@@ -289,6 +290,20 @@ def test_the_prefill_pace_leaves_room_for_the_batch() -> None:
     assert pace is not None and late.enforced.max_requests >= batch
     room_tok_s = (late.target_w - plant(batch, 0.0)) / per_tok_w
     assert 0.6 * room_tok_s <= pace <= 1.1 * room_tok_s, (pace, room_tok_s, late.target_w)
+
+
+def test_a_queue_one_scrape_saw_holds_nothing_and_a_standing_one_does() -> None:
+    """A burst's prompts wait a step or two for the engine's token budget; a scrape may see
+    them all waiting. Only a queue over the buffer at two scrapes in a row holds work here."""
+    law = EngineLaw(ControlConfig(ceiling_w=5000.0, max_batch=256))
+    law.update(EngineLoad(13, 13, 1.0, 1.0), in_flight=13)  # the load's first scrape
+    assert law.cap is None
+    law.update(EngineLoad(0, 20, 8.0, 2.0), in_flight=20)  # started within the second
+    assert law.cap is None
+    law.update(EngineLoad(30, 60, 4.0, 3.0), in_flight=60)
+    assert law.cap is None  # one scrape's queue, again
+    law.update(EngineLoad(30, 60, 4.0, 4.0), in_flight=60)  # it stands: 30 run, 8 buffered
+    assert law.cap == 30 + law.buffer(4.0)
 
 
 def test_work_the_engine_would_queue_waits_here_and_the_engine_stays_fed() -> None:
