@@ -328,12 +328,9 @@ class BodyRelay:
             else:  # relayed as it is: the counts are read off the bytes, nothing is parsed
                 doc, usage = None, None
                 tokens, prompt = dialect.final_tokens(body), dialect.final_prompt_tokens(body)
-            if not call.generates:
-                # No first token and no decode: a TTFT or TPOT sample would mislead the SLOs.
-                call.series.outcomes["ok"].inc()
-                call.series.e2e_s.observe(now - call.t0)
-            else:
-                self.acc.ok(call, first_s=None, last_s=now, tokens=tokens)
+            # A whole answer: no first token seen, so no TTFT or TPOT sample (nor output tokens
+            # where nothing is generated, as for an embedding).
+            self.acc.ok(call, first_s=None, last_s=now, tokens=tokens if call.generates else None)
             prompt = prompt or call.info.prompt_tokens
             energy_j = self.gov.energy.finish(call.rec)
             self.gov.energy.count_tokens(call.rec.labels, prompt, tokens or 0)
