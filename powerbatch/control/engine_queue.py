@@ -25,8 +25,8 @@ prefill burst. Until then nothing is forgotten: the requests running have decode
 step since the first (forgotten each interval instead, the first reading was the last interval
 alone, and a fleet member's first was a burst's 0.16-s step: docs/fleet.md, stop 54). A prefill
 burst that slows a few steps slows no request much, a batch too large for the SLO slows every
-one. That is what the requests running now will show at their end, a
-request's length before a window of finished requests' p95 does. (Forgotten over a decode
+one. That is what the requests running now will show at their end, a request's length before a
+window of finished requests' p95 does. (Forgotten over a decode
 *time* instead, a burst's slow second weighed as much as a decode's fast seconds: at a fleet
 member's burst this average read 0.10-0.23 s a token against a 0.1-s SLO while the requests
 running finished at 0.02-0.06 s, and the latency law held their successors queued for
