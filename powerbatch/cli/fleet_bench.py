@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import shutil
 import statistics
 import subprocess
@@ -44,7 +45,12 @@ from powerbatch.cli.bench import fetch_json, serve_args
 from powerbatch.cli.extras import pyplot
 from powerbatch.cli.process import Child, free_port, run_stopping_children
 from powerbatch.cli.report import power_1s
-from powerbatch.cli.stack import add_dcgm_interval_argument, add_slo_arguments, exporter_metric
+from powerbatch.cli.stack import (
+    add_dcgm_interval_argument,
+    add_slo_arguments,
+    exporter_metric,
+    slo_s,
+)
 from powerbatch.load import LoadProfile, run_load
 from powerbatch.load.client import RequestResult
 from powerbatch.load.profile import Phase, PlannedRequest
@@ -105,7 +111,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=1, help="repeat r of every arm uses seed + r")
     p.add_argument(
-        "--drain-timeout-s", type=float, default=20.0, help="wait this long for answers after"
+        "--drain-timeout-s",
+        type=float,
+        default=None,
+        help="the longest to wait for answers after the load (default: until none still "
+        "running can meet the SLOs)",
     )
     p.add_argument("--out", type=Path, default=None, help="default results/fleet[-matrix]")
     p.add_argument(
@@ -275,7 +285,9 @@ async def run_arm(arm: str, a: argparse.Namespace, seed: int, log_dir: Path) -> 
                 "--plant-files", ",".join(map(str, files))]  # fmt: skip
     if arm == "hwcap":  # no proxy: each GPU set capped at its split, as an operator would
         limits = [split_limit_w(pl, a.budget_w, n) for pl in plants]
-        sim_args += ["--power-limits-w", ",".join(f"{w:.1f}" for w in limits)]
+        # Rounded down to NVML's milliwatt: rounded up, N caps sum to more than the budget.
+        mw = (math.floor(w * 1000) / 1000 for w in limits)
+        sim_args += ["--power-limits-w", ",".join(f"{w:.3f}" for w in mw)]
     sims = Child("sims", sim_args, log_dir, command=(sys.executable,))
     proxies, urls = [], []
     for i in range(n):
@@ -308,7 +320,7 @@ async def run_arm(arm: str, a: argparse.Namespace, seed: int, log_dir: Path) -> 
             _poll(urls if proxies else [], sim_urls, t0, rows, sim_rows, stop)
         )
         loads = [
-            asyncio.create_task(run_load(u, p, drain_timeout_s=a.drain_timeout_s))
+            asyncio.create_task(run_load(u, p, drain_timeout_s=a.drain_timeout_s, slo_s=slo_s(a)))
             for u, p in zip(urls, plans, strict=True)
         ]
 

@@ -29,7 +29,7 @@ from powerbatch.cli.bench import run_traces, serve_args
 from powerbatch.cli.extras import pyplot, require_cli_extra
 from powerbatch.cli.process import Child, run_stopping_children
 from powerbatch.cli.report import RunData, plot_runs, summarize
-from powerbatch.cli.stack import Stack
+from powerbatch.cli.stack import Stack, slo_s
 from powerbatch.jsonsafe import json_safe
 from powerbatch.load import run_load
 from powerbatch.load.drawn import DrawnLoad, draw_load
@@ -142,8 +142,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--drain-timeout-s",
         type=float,
-        default=20.0,
-        help="how long after the load each run waits for answers (the rest are dropped)",
+        default=None,
+        help="the longest each run waits for answers after the load (the rest are dropped); "
+        "default: until none still running can meet the SLOs",
     )
     p.add_argument(
         "--arms",
@@ -214,7 +215,9 @@ async def run_arm(arm: str, sc: Scenario, a: argparse.Namespace, log_dir: Path) 
         limiter=arm in LIMITED,
     ) as stack:
         t0 = time.monotonic()
-        results = await run_load(stack.entry_url, plan, drain_timeout_s=a.drain_timeout_s)
+        results = await run_load(
+            stack.entry_url, plan, drain_timeout_s=a.drain_timeout_s, slo_s=slo_s(a)
+        )
         trace, history = await run_traces(stack, t0)
     # Beside plant.json, so that a bad case can be read tick by tick without a rerun.
     traces = {"t0": t0, "sim": trace, "control": history}
@@ -254,7 +257,7 @@ def arm_summary(run: RunData, a: argparse.Namespace) -> dict[str, Any]:
     ttft, n = interactive_stream_ttft(run)
     s["ttft_p95_interactive_stream_s"] = ttft
     s["interactive_streams"] = n
-    # Requests still unanswered --drain-timeout-s after the load ended are dropped, not counted.
+    # Requests still unanswered when the drain ended are dropped, not counted.
     s["dropped"] = int(run.extra.get("planned", len(run.results))) - len(run.results)
     return s
 

@@ -40,6 +40,11 @@ def add_slo_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=float, default=slo_default_s(name))
 
 
+def slo_s(a: argparse.Namespace) -> tuple[float, float]:
+    """A bench's (TTFT SLO, TPOT SLO), from `add_slo_arguments`: what `run_load` drains for."""
+    return a.ttft_slo_s, a.tpot_slo_s
+
+
 def exporter_metric(dcgm_interval_s: float) -> str:
     """The field a proxy reads from a simulator collecting every `dcgm_interval_s`."""
     if dcgm_interval_s <= 0:

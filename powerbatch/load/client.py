@@ -49,6 +49,27 @@ class RequestResult:
         return self.tpot_s is None or self.tpot_s <= tpot_slo_s
 
 
+@dataclass(slots=True)
+class InFlight:
+    """A request still unanswered, as far as the drain needs it (monotonic seconds; None: not
+    yet, e.g. waiting for `run_load`'s concurrency gate, whose wait no SLO clock counts)."""
+
+    max_tokens: int
+    sent_s: float | None = None
+    first_token_s: float | None = None
+
+    def may_meet(self, now_s: float, ttft_slo_s: float, tpot_slo_s: float) -> bool:
+        """False once no ending of this answer can count as goodput (`within_slo`): its first
+        token is later than the TTFT SLO, or even its longest answer (`max_tokens`) could not
+        average the TPOT SLO over the tokens after the first. A non-streamed answer's first
+        token is its whole answer, so only the first rule applies to it."""
+        if self.sent_s is None:
+            return True
+        if self.first_token_s is None:
+            return now_s - self.sent_s <= ttft_slo_s
+        return now_s - self.first_token_s <= (self.max_tokens - 1) * tpot_slo_s
+
+
 def chat_body(req: PlannedRequest, model: str) -> bytes:
     body = {
         "model": model,
@@ -68,8 +89,13 @@ async def send_one(
     t_run0: float,
     model: str,
     api_key: str | None = None,
+    in_flight: InFlight | None = None,
 ) -> RequestResult:
+    """Send `req`; what the user saw. `in_flight`, where given, learns the send and first-token
+    times as they happen."""
     t0 = time.monotonic()
+    if in_flight is not None:
+        in_flight.sent_s = t0
     headers = {"Content-Type": "application/json", "x-priority": req.priority}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -112,6 +138,8 @@ async def send_one(
             async for chunk in resp.content.iter_any():
                 if ttft is None and _FIRST_TOKEN.search(chunk):
                     ttft = time.monotonic() - t0
+                    if in_flight is not None:
+                        in_flight.first_token_s = t0 + ttft
                 tail = (tail + chunk)[-2048:]
             error = None
             if b'"error"' in tail:
@@ -127,12 +155,18 @@ async def run_load(
     plan: list[PlannedRequest],
     *,
     model: str = "sim-llama",
-    drain_timeout_s: float = 120.0,
+    drain_timeout_s: float | None = 120.0,
+    slo_s: tuple[float, float] | None = None,
     on_result: Callable[[RequestResult], None] | None = None,
     api_key: str | None = None,
     concurrency: int | None = None,
 ) -> list[RequestResult]:
-    """Send each planned request at its offset; wait for answers up to drain_timeout_s after.
+    """Send each planned request at its offset; then wait for the answers still running.
+
+    The wait ends when every answer is in, after `drain_timeout_s` (None: no limit), or, with
+    `slo_s` = (TTFT SLO, TPOT SLO), as soon as none still running can count as goodput
+    (`InFlight.may_meet`): waiting longer could not change a goodput figure, however slow the
+    server. Answers still running then are cancelled and not recorded.
 
     With `concurrency`, at most that many are outstanding: a request due while all are busy
     waits for one to finish (a closed cap on an open schedule, so a slow server is not flooded).
@@ -143,14 +177,14 @@ async def run_load(
     timeout = aiohttp.ClientTimeout(total=None, sock_read=300)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         t_run0 = time.monotonic()
-        tasks: set[asyncio.Task[None]] = set()
+        tasks: dict[asyncio.Task[None], InFlight] = {}
 
-        async def one(req: PlannedRequest) -> None:
+        async def one(req: PlannedRequest, seen: InFlight) -> None:
             if gate is None:
-                result = await send_one(session, base_url, req, t_run0, model, api_key)
+                result = await send_one(session, base_url, req, t_run0, model, api_key, seen)
             else:
                 async with gate:
-                    result = await send_one(session, base_url, req, t_run0, model, api_key)
+                    result = await send_one(session, base_url, req, t_run0, model, api_key, seen)
             results.append(result)
             if on_result is not None:
                 on_result(result)
@@ -159,12 +193,30 @@ async def run_load(
             delay = t_run0 + req.t_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(one(req))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            _done, pending = await asyncio.wait(tasks, timeout=drain_timeout_s)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            seen = InFlight(req.max_tokens)
+            task = asyncio.create_task(one(req, seen))
+            tasks[task] = seen
+            task.add_done_callback(tasks.pop)
+        await _drain(tasks, drain_timeout_s, slo_s)
     return results
+
+
+async def _drain(
+    tasks: dict[asyncio.Task[None], InFlight],
+    timeout_s: float | None,
+    slo_s: tuple[float, float] | None,
+) -> None:
+    """Wait for `tasks` as `run_load` says; cancel what is left."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while tasks:
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            break
+        if slo_s is not None and not any(f.may_meet(now, *slo_s) for f in tasks.values()):
+            break
+        left = 1.0 if deadline is None else min(1.0, deadline - now)
+        await asyncio.wait(list(tasks), timeout=left)
+    pending = list(tasks)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
