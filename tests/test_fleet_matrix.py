@@ -31,11 +31,14 @@ def test_every_case_has_a_static_split_each_gpu_set_accepts(cases: list[Any]) ->
     assert {c.load for c in cases} == {"moving", "diurnal", "bursts", "even"}
     for c in cases:
         budget = c.budget_w()
+        limits = []
         for plant in c.plants():
             prof = plant.profile
             assert prof.min_limit_w_per_gpu * prof.num_gpus <= budget / c.members
             limit = fleet_bench.split_limit_w(plant, budget, c.members)
             assert limit <= prof.tdp_w and limit <= budget / c.members + 1e-9
+            limits.append(limit)
+        assert sum(limits) <= budget  # as NVML takes them (mW): no float slack over
     full = fleet_matrix.full_cases(1)
     assert {c.members for c in full} == {2, 4, 8}
     assert {c.period_s for c in full if c.load == "moving"} >= {5.0, 15.0, 30.0, 60.0}

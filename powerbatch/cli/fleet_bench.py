@@ -238,9 +238,10 @@ def member_plants(a: argparse.Namespace) -> list[Plant]:
 
 
 def split_limit_w(plant: Plant, budget_w: float, n: int) -> float:
-    """A static split's hardware cap: budget / N, within what the GPU set accepts."""
+    """A static split's hardware cap: budget / N, within what the GPU set accepts, rounded
+    down to NVML's milliwatt (rounded up, N caps would sum to more than the budget)."""
     prof = plant.profile
-    return min(max(budget_w / n, prof.min_limit_w), prof.tdp_w)
+    return math.floor(min(max(budget_w / n, prof.min_limit_w), prof.tdp_w) * 1000) / 1000
 
 
 def proxy_args(
@@ -285,9 +286,7 @@ async def run_arm(arm: str, a: argparse.Namespace, seed: int, log_dir: Path) -> 
                 "--plant-files", ",".join(map(str, files))]  # fmt: skip
     if arm == "hwcap":  # no proxy: each GPU set capped at its split, as an operator would
         limits = [split_limit_w(pl, a.budget_w, n) for pl in plants]
-        # Rounded down to NVML's milliwatt: rounded up, N caps sum to more than the budget.
-        mw = (math.floor(w * 1000) / 1000 for w in limits)
-        sim_args += ["--power-limits-w", ",".join(f"{w:.3f}" for w in mw)]
+        sim_args += ["--power-limits-w", ",".join(f"{w:.3f}" for w in limits)]
     sims = Child("sims", sim_args, log_dir, command=(sys.executable,))
     proxies, urls = [], []
     for i in range(n):
