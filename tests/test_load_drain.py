@@ -48,7 +48,8 @@ def test_a_request_not_yet_sent_may_still_meet_and_a_late_one_may_not() -> None:
 
 def _app() -> web.Application:
     """Streams: `x-priority: slow` sends one token and stalls (it can no longer count after
-    (max_tokens - 1) x TPOT SLO); any other sends its tokens at 20 ms each and ends."""
+    (max_tokens - 1) x TPOT SLO), `x-priority: late` stalls 1 s there; any other sends its
+    tokens at 20 ms each and ends."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -58,8 +59,10 @@ def _app() -> web.Application:
         for i in range(n):
             chunk = '{"choices":[{"delta":{"content":"t"}}]}'
             await resp.write(f"data: {chunk}\n\n".encode())
-            if request.headers["x-priority"] == "slow" and i == 0:
-                await asyncio.sleep(3600)
+            if i == 0:
+                await asyncio.sleep(
+                    {"slow": 3600.0, "late": 1.0}.get(request.headers["x-priority"], 0.0)
+                )
             await asyncio.sleep(0.02)
         usage = f'{{"choices":[],"usage":{{"completion_tokens":{n}}}}}'
         await resp.write(f"data: {usage}\n\ndata: [DONE]\n\n".encode())
@@ -93,3 +96,32 @@ def test_run_load_waits_for_answers_that_may_count_then_stops() -> None:
     assert [r.priority for r in results] == ["high"]
     assert results[0].within_slo(TTFT_SLO_S, TPOT_SLO_S) and results[0].output_tokens == 75
     assert 1.4 < wall_s < 10.0
+
+
+def test_the_finish_records_the_answers_that_cannot_count_as_late() -> None:
+    """With `finish_s`, the wait goes on past the last answer that could count: the 1-s stall
+    ends late and is recorded so (tokens and joules need it); the endless one is still cut off
+    when the finish runs out, and the answer that counts is not marked."""
+
+    async def go() -> tuple[list[RequestResult], float]:
+        runner, url = await serve(_app())
+        try:
+            plan = [
+                PlannedRequest(0.0, "slow", 32, 5, True, 0),
+                PlannedRequest(0.0, "late", 32, 5, True, 0),
+                PlannedRequest(0.0, "high", 32, 5, True, 0),
+            ]
+            t0 = time.monotonic()
+            results = await run_load(
+                url, plan, drain_timeout_s=60.0, slo_s=(TTFT_SLO_S, TPOT_SLO_S), finish_s=2.0
+            )
+            return results, time.monotonic() - t0
+        finally:
+            await runner.cleanup()
+
+    results, wall_s = run(go())
+    by = {r.priority: r for r in results}
+    assert sorted(by) == ["high", "late"]
+    assert not by["high"].late and by["high"].within_slo(TTFT_SLO_S, TPOT_SLO_S)
+    assert by["late"].late and by["late"].output_tokens == 5
+    assert 2.3 < wall_s < 10.0  # the 0.4 s the stalls could still count, then the whole finish

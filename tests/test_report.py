@@ -59,3 +59,23 @@ def test_a_second_is_forced_over_only_where_its_prefill_alone_breaches() -> None
     }
     forced = forced_above_seconds(trace, 0.0, 4.0, 2000.0)
     assert forced.tolist() == [True, False, False, False]
+
+
+def test_late_answers_count_in_tokens_and_joules_not_in_goodputs_time() -> None:
+    """An answer recorded `late` (after none could count) lengthens the span tokens/s and J/token
+    run over, and adds its tokens; goodput keeps the span of the answers that could count."""
+    from powerbatch.cli.report import RunData, summarize
+    from powerbatch.load import RequestResult
+    from powerbatch.load.profile import LoadProfile, Phase
+
+    # Steps of 1 s from -1 s, stamped at their starts, the counter at their ends: 100 W.
+    trace = {"t_s": [float(t - 1) for t in range(30)], "step_s": [1.0] * 30}
+    trace["energy_j"] = [100.0 * t for t in range(30)]
+    trace |= {"power_w": [100.0] * 30, "running": [1.0] * 30, "prefill_tokens": [0.0] * 30}
+    good = RequestResult(0.0, "high", 0, 200, 0.1, 4.0, 8, 40)
+    late = RequestResult(1.0, "high", 0, 200, 3.0, 19.0, 8, 60, late=True)
+    profile = LoadProfile("flat", (Phase(5.0, 1.0),))
+    s = summarize(RunData("x", 600.0, profile, 0.0, 5.0, [good, late], trace), 0.5, 0.1)
+    assert s["goodput_rps"] == 1 / 4.0  # one good answer, over the 4 s to its end
+    assert s["output_tokens"] == 100 and s["output_tok_s"] == 100 / 20.0
+    assert s["j_per_token"] == 100.0 * 20.0 / 100 and s["late"] == 1

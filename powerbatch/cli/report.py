@@ -121,7 +121,10 @@ def summarize(run: RunData, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, A
     rates = [ph.rate_rps for ph in run.profile.phases]
     high = np.array([rates[run.profile.phase_at(t)] == max(rates) for t in t_mid], bool)
     ok = [r for r in run.results if r.ok]
+    # Tokens and joules run to the last answer; goodput to the last that ended while one still
+    # running could count (`run_load`'s finish records the later ones `late`, never good).
     end_s = max((r.t_start_s + r.e2e_s for r in run.results), default=run.load_s)
+    good_end_s = max((r.t_start_s + r.e2e_s for r in run.results if not r.late), default=end_s)
     t_end = np.asarray(run.trace["t_s"], float) + np.asarray(run.trace["step_s"], float)
     e_cum = np.asarray(run.trace["energy_j"], float)
     energy_j = float(np.interp(run.t0_s + end_s, t_end, e_cum) - np.interp(run.t0_s, t_end, e_cum))
@@ -164,8 +167,9 @@ def summarize(run: RunData, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, A
         "output_tokens": tokens,
         "output_tok_s": tokens / end_s if end_s > 0 else 0.0,
         "j_per_token": energy_j / tokens if tokens else None,
-        "goodput_rps": len(good) / end_s if end_s > 0 else 0.0,
+        "goodput_rps": len(good) / good_end_s if good_end_s > 0 else 0.0,
         "requests": len(run.results),
+        "late": sum(r.late for r in run.results),
         "ok": len(ok),
         "http_429": statuses.count(429),
         "http_503": statuses.count(503),

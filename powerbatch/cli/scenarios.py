@@ -147,6 +147,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "default: until none still running can meet the SLOs",
     )
     p.add_argument(
+        "--finish-s",
+        type=float,
+        default=60.0,
+        help="then the longest each run goes on waiting for the answers that can no longer "
+        "count: they count in tokens/s and J/token, so that both arms are judged on the same "
+        "answers, never in goodput (0: drop them unanswered)",
+    )
+    p.add_argument(
         "--arms",
         default=",".join(ARMS),
         help=f"comma-separated, of {', '.join((*ARMS, CLOCK_ARM))}; hwcap is required",
@@ -216,7 +224,11 @@ async def run_arm(arm: str, sc: Scenario, a: argparse.Namespace, log_dir: Path) 
     ) as stack:
         t0 = time.monotonic()
         results = await run_load(
-            stack.entry_url, plan, drain_timeout_s=a.drain_timeout_s, slo_s=slo_s(a)
+            stack.entry_url,
+            plan,
+            drain_timeout_s=a.drain_timeout_s,
+            slo_s=slo_s(a),
+            finish_s=a.finish_s or None,
         )
         trace, history = await run_traces(stack, t0)
     # Beside plant.json, so that a bad case can be read tick by tick without a rerun.
@@ -257,7 +269,7 @@ def arm_summary(run: RunData, a: argparse.Namespace) -> dict[str, Any]:
     ttft, n = interactive_stream_ttft(run)
     s["ttft_p95_interactive_stream_s"] = ttft
     s["interactive_streams"] = n
-    # Requests still unanswered when the drain ended are dropped, not counted.
+    # Requests still unanswered when the finish ended are dropped, not counted.
     s["dropped"] = int(run.extra.get("planned", len(run.results))) - len(run.results)
     return s
 
@@ -465,7 +477,7 @@ async def run_all(
                 f"tok/s {s['output_tok_s']:7.0f}  J/tok {s['j_per_token'] or 0:6.3f}  "
                 f"goodput {s['goodput_rps']:5.2f}  ttft95(int,stream) "
                 f"{s['ttft_p95_interactive_stream_s'] or float('nan'):6.2f} s  "
-                f"ok {s['ok']}/{s['requests']}, dropped {s['dropped']}"
+                f"ok {s['ok']}/{s['requests']} ({s['late']} late), dropped {s['dropped']}"
             )
         add_bound_sd(sc)
         kept[sc.index] = runs

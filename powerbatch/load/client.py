@@ -7,7 +7,7 @@ import json
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 
@@ -30,6 +30,7 @@ class RequestResult:
     output_tokens: int
     error: str | None = None
     energy_j: float | None = None  # usage.energy_j, where the server reports it (powerbatch)
+    late: bool = False  # ended after no answer still running could count (`run_load`'s finish)
 
     @property
     def ok(self) -> bool:
@@ -160,13 +161,18 @@ async def run_load(
     on_result: Callable[[RequestResult], None] | None = None,
     api_key: str | None = None,
     concurrency: int | None = None,
+    finish_s: float | None = None,
 ) -> list[RequestResult]:
     """Send each planned request at its offset; then wait for the answers still running.
 
     The wait ends when every answer is in, after `drain_timeout_s` (None: no limit), or, with
     `slo_s` = (TTFT SLO, TPOT SLO), as soon as none still running can count as goodput
     (`InFlight.may_meet`): waiting longer could not change a goodput figure, however slow the
-    server. Answers still running then are cancelled and not recorded.
+    server. Answers still running then are cancelled and not recorded, unless `finish_s` is
+    given: then the wait goes on, that much longer at most, and the answers that end in it are
+    recorded `late`. Tokens and joules need them: an arm whose answers are cut off unanswered
+    would otherwise show fewer tokens made from the same load, and no J/token comparable with an
+    arm that answered them all.
 
     With `concurrency`, at most that many are outstanding: a request due while all are busy
     waits for one to finish (a closed cap on an open schedule, so a slow server is not flooded).
@@ -178,6 +184,7 @@ async def run_load(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         t_run0 = time.monotonic()
         tasks: dict[asyncio.Task[None], InFlight] = {}
+        late = False
 
         async def one(req: PlannedRequest, seen: InFlight) -> None:
             if gate is None:
@@ -185,6 +192,8 @@ async def run_load(
             else:
                 async with gate:
                     result = await send_one(session, base_url, req, t_run0, model, api_key, seen)
+            if late:
+                result = replace(result, late=True)
             results.append(result)
             if on_result is not None:
                 on_result(result)
@@ -197,7 +206,10 @@ async def run_load(
             task = asyncio.create_task(one(req, seen))
             tasks[task] = seen
             task.add_done_callback(tasks.pop)
-        await _drain(tasks, drain_timeout_s, slo_s)
+        await _drain(tasks, drain_timeout_s, slo_s, cancel=finish_s is None)
+        if finish_s is not None:
+            late = True
+            await _drain(tasks, finish_s, None, cancel=True)
     return results
 
 
@@ -205,8 +217,10 @@ async def _drain(
     tasks: dict[asyncio.Task[None], InFlight],
     timeout_s: float | None,
     slo_s: tuple[float, float] | None,
+    *,
+    cancel: bool,
 ) -> None:
-    """Wait for `tasks` as `run_load` says; cancel what is left."""
+    """Wait for `tasks` as `run_load` says; with `cancel`, cancel what is left."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while tasks:
         now = time.monotonic()
@@ -216,6 +230,8 @@ async def _drain(
             break
         left = 1.0 if deadline is None else min(1.0, deadline - now)
         await asyncio.wait(list(tasks), timeout=left)
+    if not cancel:
+        return
     pending = list(tasks)
     for task in pending:
         task.cancel()
