@@ -75,7 +75,10 @@ def test_late_answers_count_in_tokens_and_joules_not_in_goodputs_time() -> None:
     good = RequestResult(0.0, "high", 0, 200, 0.1, 4.0, 8, 40)
     late = RequestResult(1.0, "high", 0, 200, 3.0, 19.0, 8, 60, late=True)
     profile = LoadProfile("flat", (Phase(5.0, 1.0),))
-    s = summarize(RunData("x", 600.0, profile, 0.0, 5.0, [good, late], trace), 0.5, 0.1)
+    # Within both SLOs, but after the drain's timeout: the drain cut goodput's count there.
+    timed_out = RequestResult(2.0, "high", 0, 200, 0.1, 2.0, 8, 0, late=True)
+    runs = [good, late, timed_out]
+    s = summarize(RunData("x", 600.0, profile, 0.0, 5.0, runs, trace), 0.5, 0.1)
     assert s["goodput_rps"] == 1 / 4.0  # one good answer, over the 4 s to its end
     assert s["output_tokens"] == 100 and s["output_tok_s"] == 100 / 20.0
-    assert s["j_per_token"] == 100.0 * 20.0 / 100 and s["late"] == 1
+    assert s["j_per_token"] == 100.0 * 20.0 / 100 and s["late"] == 2

@@ -129,7 +129,7 @@ def summarize(run: RunData, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, A
     e_cum = np.asarray(run.trace["energy_j"], float)
     energy_j = float(np.interp(run.t0_s + end_s, t_end, e_cum) - np.interp(run.t0_s, t_end, e_cum))
     tokens = sum(r.output_tokens for r in ok)
-    good = [r for r in ok if r.within_slo(ttft_slo_s, tpot_slo_s)]
+    good = [r for r in ok if not r.late and r.within_slo(ttft_slo_s, tpot_slo_s)]
     latency: dict[str, dict[str, float | None]] = {}
     for p in PRIORITIES:
         ttft = [r.ttft_s for r in ok if r.priority == p and r.ttft_s is not None]
