@@ -73,26 +73,37 @@ def _app() -> web.Application:
     return app
 
 
-def test_run_load_waits_for_answers_that_may_count_then_stops() -> None:
-    """A stalled answer ends the wait once it cannot count (0.4 s after its first token), not
-    at the 60-s timeout; a 1.5-s answer that counts is waited for and recorded."""
+def _load_against_app(
+    max_tokens: dict[str, int], finish_s: float | None = None
+) -> tuple[list[RequestResult], float]:
+    """One stream per `x-priority` at once against `_app`, the SLOs above, a 60-s drain cap:
+    what came back, and the wall time `run_load` took."""
 
     async def go() -> tuple[list[RequestResult], float]:
         runner, url = await serve(_app())
         try:
-            plan = [
-                PlannedRequest(0.0, "slow", 32, 5, True, 0),
-                PlannedRequest(0.0, "high", 32, 75, True, 0),
-            ]
+            plan = [PlannedRequest(0.0, p, 32, n, True, 0) for p, n in max_tokens.items()]
             t0 = time.monotonic()
             results = await run_load(
-                url, plan, drain_timeout_s=60.0, slo_s=(TTFT_SLO_S, TPOT_SLO_S)
+                url,
+                plan,
+                drain_timeout_s=60.0,
+                slo_s=(TTFT_SLO_S, TPOT_SLO_S),
+                finish_s=finish_s,
             )
             return results, time.monotonic() - t0
         finally:
             await runner.cleanup()
 
-    results, wall_s = run(go())
+    out: tuple[list[RequestResult], float] = run(go())
+    return out
+
+
+def test_run_load_waits_for_answers_that_may_count_then_stops() -> None:
+    """A stalled answer ends the wait once it cannot count (0.4 s after its first token), not
+    at the 60-s timeout; a 1.5-s answer that counts is waited for and recorded."""
+
+    results, wall_s = _load_against_app({"slow": 5, "high": 75})
     assert [r.priority for r in results] == ["high"]
     assert results[0].within_slo(TTFT_SLO_S, TPOT_SLO_S) and results[0].output_tokens == 75
     assert 1.4 < wall_s < 10.0
@@ -103,23 +114,7 @@ def test_the_finish_records_the_answers_that_cannot_count_as_late() -> None:
     ends late and is recorded so (tokens and joules need it); the endless one is still cut off
     when the finish runs out, and the answer that counts is not marked."""
 
-    async def go() -> tuple[list[RequestResult], float]:
-        runner, url = await serve(_app())
-        try:
-            plan = [
-                PlannedRequest(0.0, "slow", 32, 5, True, 0),
-                PlannedRequest(0.0, "late", 32, 5, True, 0),
-                PlannedRequest(0.0, "high", 32, 5, True, 0),
-            ]
-            t0 = time.monotonic()
-            results = await run_load(
-                url, plan, drain_timeout_s=60.0, slo_s=(TTFT_SLO_S, TPOT_SLO_S), finish_s=2.0
-            )
-            return results, time.monotonic() - t0
-        finally:
-            await runner.cleanup()
-
-    results, wall_s = run(go())
+    results, wall_s = _load_against_app({"slow": 5, "late": 5, "high": 5}, finish_s=2.0)
     by = {r.priority: r for r in results}
     assert sorted(by) == ["high", "late"]
     assert not by["high"].late and by["high"].within_slo(TTFT_SLO_S, TPOT_SLO_S)
