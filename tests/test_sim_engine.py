@@ -78,6 +78,28 @@ def test_token_budget_chunks_prefill() -> None:
     assert req.first_token_s <= other.first_token_s
 
 
+def test_prefill_pending_says_which_steps_carry_prompt_tokens() -> None:
+    # Chunked prompts, a full batch with requests waiting, and decode-only spells between.
+    engine = SimEngine(max_num_seqs=3, max_num_batched_tokens=64)
+    carried = []
+    for k in range(40):
+        if k % 7 == 0:
+            for n in (1, 150, 30):
+                engine.add_request(n, 9)
+        pending = engine.prefill_pending
+        rec = engine.step()
+        assert rec is not None
+        carried.append(rec.prefill_tokens > 0)
+        assert pending == (rec.prefill_tokens > 0), k
+    assert any(carried) and not all(carried)
+    # A prompt chunked to one token short: its last prompt token is still prefill.
+    engine = SimEngine(max_num_batched_tokens=64)
+    engine.add_request(65, 3)
+    assert engine.step() is not None and engine.prefill_pending
+    rec = engine.step()
+    assert rec is not None and rec.prefill_tokens == 1 and not engine.prefill_pending
+
+
 def test_kv_capacity_forces_preemption_and_requests_still_finish() -> None:
     engine = SimEngine(kv_capacity_tokens=256, block_size=16)
     reqs = [engine.add_request(40, 60) for _ in range(5)]

@@ -449,6 +449,17 @@ class SimEngine:
         return len(self._waiting)
 
     @property
+    def prefill_pending(self) -> bool:
+        """Whether the next step carries prompt tokens (as `_schedule` counts them): a running
+        request's prompt (or a preempted one's recompute) is not all computed yet, or one waits
+        with a seat free (and the KV cache has room: not checked here)."""
+        if self._waiting and len(self._running) < self.max_num_seqs:
+            return True
+        return any(
+            not (r.seq_tokens - r.num_computed == 1 and r.num_output > 0) for r in self._running
+        )
+
+    @property
     def kv_tokens(self) -> int:
         """KV tokens held, counted in whole blocks as vLLM's block manager does."""
         return (self.num_blocks - self._free_blocks) * self.block_size
