@@ -15,6 +15,20 @@ requests runs on `SimEngine` (a power limit at the plant's ceiling, met by the c
                the best of those whose p95 step also keeps the law's own bounds (at most
                clock_max_slowdown over unlocked's, under clock_tpot_margin of the TPOT SLO)
     law        powerbatch.control.laws.clock, objective energy, fed 1-second windows
+    phases     with --phases: an oracle with two locks, one for the steps that carry prompt
+               tokens and one for decode-only steps, changed between steps at no cost; every
+               pair of the law's levels, the best kept as for static. No law that sets the
+               clock from outside the engine can follow the phases closer, so this bounds
+               what following them can save against the best single lock (VoltanaLLM, arXiv
+               2509.04827, sets them apart on separate prefill and decode instances).
+               "prefill at the top" is the best pair whose prefill runs unlocked: a prefill
+               boost given to every request.
+    boost      with --boost: the law, with every step that carries prompt tokens unlocked (the
+               proxy's prefill boost for every request, at no cost per change)
+
+Each arm's p95 TTFT is recorded (a request still waiting at the end counts its wait so far), and
+the best lock (and pair) is also found among those whose p95 TTFT stays within --ttft-bound
+(1.2) of the cap's: the first-token goal a lock at the floor may break.
 
 The meter is exact by default; `--meter-lag-s 2` makes it a 1-s mean refreshed once a second
 and that late (as a dcgm-exporter behind a scrape), each reading paired with the load of the
@@ -38,7 +52,7 @@ import numpy as np
 from powerbatch.control.config import ClockPolicy, ControlConfig
 from powerbatch.control.laws.clock import ClockInput, ClockLaw
 from powerbatch.sim import SimEngine
-from powerbatch.sim.engine import VirtualClock
+from powerbatch.sim.engine import SimRequest, VirtualClock
 from powerbatch.sim.gpu_model import GpuProfile
 from powerbatch.sim.plants import draw_plant, with_clock_physics
 
@@ -58,6 +72,8 @@ def run(
     *,
     law: ClockLaw | None = None,
     lock: tuple[int, int] | None = None,
+    phases: tuple[int, int] | None = None,
+    boost: bool = False,
     meter_lag_s: float = 0.0,
     load: str = "poisson",
     pair_error_s: float = 0.0,
@@ -74,8 +90,22 @@ def run(
     supported = eng.supported_clocks_mhz()[::-1]
     if law is not None:
         law.set_supported(supported, 5.0)
-    for g in range(profile.num_gpus):
-        if lock is not None:
+    floor_mhz, unlocked = profile.sm_clock_min_mhz, float(supported[-1])
+    applied = unlocked  # the top the engine runs at now
+
+    def apply(top_mhz: float) -> None:
+        nonlocal applied
+        if top_mhz == applied:
+            return
+        applied = top_mhz
+        for g in range(profile.num_gpus):
+            if top_mhz >= unlocked:
+                eng.reset_gpu_locked_clocks(g)
+            else:
+                eng.set_gpu_locked_clocks(g, floor_mhz, int(top_mhz))
+
+    if lock is not None:
+        for g in range(profile.num_gpus):
             eng.set_gpu_locked_clocks(g, *lock)
     rng = np.random.default_rng(seed)
     jitter = np.random.default_rng(seed + 7)  # its own stream: the load is the same either way
@@ -96,13 +126,20 @@ def run(
     read_at, ticks_since = -math.inf, 0
     extra = {f.name for f in fields(ClockInput)}  # the law before this harness had fewer
     steps: list[float] = []
+    reqs: list[SimRequest] = []
     t_tick = clock.t
     for _ in range(int(seconds * 5)):
         t_end = t_tick + 0.2
         while True:
             while next_arrival <= clock.t:
-                eng.add_request(int(rng.integers(100, 1500)), int(rng.integers(100, 500)))
+                reqs.append(
+                    eng.add_request(int(rng.integers(100, 1500)), int(rng.integers(100, 500)))
+                )
                 next_arrival += rng.exponential(1 / rate_at(next_arrival))
+            if phases is not None:
+                apply(phases[1] if eng.prefill_pending else phases[0])
+            elif boost:  # the law's lock, lifted for steps with prompt tokens
+                apply(unlocked if eng.prefill_pending else top)
             rec = eng.step()
             if rec is None:
                 clock.t = min(next_arrival, t_end)
@@ -158,13 +195,13 @@ def run(
         new = float(choice.lock[1]) if choice.lock else float(supported[-1])
         if new != top:
             top, changed_s = new, t_tick
-            for g in range(profile.num_gpus):
-                if choice.lock:
-                    eng.set_gpu_locked_clocks(g, *choice.lock)
-                else:
-                    eng.reset_gpu_locked_clocks(g)
+            apply(new)
     tokens = eng.generation_tokens_total
+    # First tokens: a request still waiting at the end counts its wait so far (a lower bound),
+    # so an arm that leaves more waiting is not flattered by dropping them.
+    ttft = [(r.first_token_s or clock.t) - r.arrival_s for r in reqs]
     return {
+        "ttft_p95_s": float(np.percentile(ttft, 95)) if ttft else math.nan,
         "j_per_token": eng.energy_j(eng.clock_s) / max(tokens, 1),
         "tokens": float(tokens),
         "step_p95_ms": 1000 * float(np.percentile(steps, 95)) if steps else math.nan,
@@ -172,6 +209,29 @@ def run(
         if law is None or getattr(law, "settled_at_s", None) is None
         else law.settled_at_s - 1000.0,  # type: ignore[operator]
     }
+
+
+Runs = dict[tuple[int, int], dict[str, float]]
+"""A plant's runs by (decode top, prefill top) MHz: a static lock is (top, top)."""
+
+
+def cheapest(
+    runs: Runs,
+    keys: list[tuple[int, int]],
+    step_max_ms: float = math.inf,
+    ttft_max_s: float = math.inf,
+) -> tuple[int, int]:
+    """The runs' key with the fewest J/token among those that serve >= 0.98x the cap's tokens
+    within the bounds (the cap itself, `keys[0]`, always does)."""
+    base = runs[keys[0]]
+    ok = [
+        k
+        for k in keys
+        if runs[k]["tokens"] >= 0.98 * base["tokens"]
+        and runs[k]["step_p95_ms"] <= step_max_ms
+        and runs[k]["ttft_p95_s"] <= ttft_max_s
+    ]
+    return min(ok, key=lambda k: runs[k]["j_per_token"])
 
 
 def _setting(kv: str) -> tuple[str, float]:
@@ -214,6 +274,25 @@ def main() -> None:
         help="a clock setting for the law (ClockPolicy's field, a number), e.g. "
         "clock_explore_every_s=60; repeatable",
     )
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="also run the two-lock oracle over every pair of levels (the phases row; "
+        "levels squared runs a plant)",
+    )
+    p.add_argument(
+        "--boost",
+        action="store_true",
+        help="also run the law with every step that carries prompt tokens unlocked (the "
+        "prefill boost given to every request, changed between steps at no cost)",
+    )
+    p.add_argument(
+        "--ttft-bound",
+        type=float,
+        default=1.2,
+        help="also the best lock (and pair) whose p95 TTFT stays within this many times the "
+        "cap's (the clock issue's goal: 1.2)",
+    )
     a = p.parse_args()
     rows: list[dict[str, Any]] = []
     for seed in range(a.first, a.first + a.plants):
@@ -229,36 +308,76 @@ def main() -> None:
             pair_error_s=a.pair_error_s,
             pair_jitter_s=a.pair_jitter_s,
         )
+        boosted = (
+            plant(
+                law=ClockLaw(policy, ControlConfig(ceiling_w=ceiling_w)),
+                boost=True,
+                meter_lag_s=a.meter_lag_s,
+                pair_error_s=a.pair_error_s,
+                pair_jitter_s=a.pair_jitter_s,
+            )
+            if a.boost
+            else None
+        )
         floor = profile.sm_clock_min_mhz
         # The best lock by tokens alone (what an operator's sweep finds), and the best held to
         # the law's own step bounds: the p95 step within clock_max_slowdown of the cap's and
         # under clock_tpot_margin of the TPOT SLO. The law never picks a clock past them, so
         # the gap to the first is partly the bounds and the gap to the second is the law's.
+        # And the best whose p95 TTFT stays within --ttft-bound of the cap's (the clock issue's
+        # goal for powerbatch's own first tokens, which a lock at the floor may break).
         step_bound_ms = min(
             (1.0 + policy.clock_max_slowdown) * base["step_p95_ms"],
             1000.0 * policy.clock_tpot_margin * law.config.tpot_slo_s,
         )
-        best = bounded = base
+        runs: Runs = {(law.levels[0],) * 2: base}
         for top in law.levels[1:]:
-            static = plant(lock=(floor, top))
-            if static["tokens"] < 0.98 * base["tokens"]:
-                continue
-            if static["j_per_token"] < best["j_per_token"]:
-                best = {**static, "top_mhz": top}
-            if static["step_p95_ms"] <= step_bound_ms and (
-                static["j_per_token"] < bounded["j_per_token"]
-            ):
-                bounded = {**static, "top_mhz": top}
+            runs[(top, top)] = plant(lock=(floor, top))
+        if a.phases:
+            for d in law.levels:
+                for q in law.levels:
+                    if d != q:
+                        runs[(d, q)] = plant(phases=(d, q))
+        ttft_max_s = a.ttft_bound * base["ttft_p95_s"]
+
+        locks = [(top, top) for top in law.levels]
+        k_best, k_bounded = cheapest(runs, locks), cheapest(runs, locks, step_bound_ms)
+        k_ttft = cheapest(runs, locks, ttft_max_s=ttft_max_s)
+        best, bounded, ttft_lock = runs[k_best], runs[k_bounded], runs[k_ttft]
+        phase_cols: dict[str, Any] = {}
+        if a.phases:
+            pairs = list(runs)
+            pair, pair_ttft = cheapest(runs, pairs), cheapest(runs, pairs, ttft_max_s=ttft_max_s)
+            boost = cheapest(runs, [k for k in pairs if k[1] == law.levels[0]])
+            phase_cols = {
+                "phases_mhz": pair,
+                "phases_vs_static": runs[pair]["j_per_token"] / best["j_per_token"],
+                "prefill_top_mhz": boost[0],
+                "prefill_top_vs_static": runs[boost]["j_per_token"] / best["j_per_token"],
+                "phases_ttft_mhz": pair_ttft,
+                "phases_vs_ttft_static": runs[pair_ttft]["j_per_token"] / ttft_lock["j_per_token"],
+            }
+        if boosted is not None:
+            phase_cols |= {
+                "boost_vs_cap": boosted["j_per_token"] / base["j_per_token"],
+                "boost_vs_ttft_static": boosted["j_per_token"] / ttft_lock["j_per_token"],
+                "ttft_boost_vs_cap": boosted["ttft_p95_s"] / base["ttft_p95_s"],
+                "tokens_boost_vs_cap": boosted["tokens"] / base["tokens"],
+            }
         row = {
             "seed": seed,
             "num_gpus": profile.num_gpus,
             "law_vs_cap": learned["j_per_token"] / base["j_per_token"],
             "static_vs_cap": best["j_per_token"] / base["j_per_token"],
             "law_vs_static": learned["j_per_token"] / best["j_per_token"],
-            "best_static_mhz": best.get("top_mhz", profile.sm_clock_max_mhz),
+            "best_static_mhz": k_best[0],
             "bounded_static_vs_cap": bounded["j_per_token"] / base["j_per_token"],
             "law_vs_bounded_static": learned["j_per_token"] / bounded["j_per_token"],
-            "bounded_static_mhz": bounded.get("top_mhz", profile.sm_clock_max_mhz),
+            "bounded_static_mhz": k_bounded[0],
+            "ttft_static_vs_cap": ttft_lock["j_per_token"] / base["j_per_token"],
+            "law_vs_ttft_static": learned["j_per_token"] / ttft_lock["j_per_token"],
+            "ttft_static_mhz": k_ttft[0],
+            "ttft_law_vs_cap": learned["ttft_p95_s"] / base["ttft_p95_s"],
             "tokens_law_vs_cap": learned["tokens"] / base["tokens"],
             "step_p95_ms": (base["step_p95_ms"], learned["step_p95_ms"]),
             "settled_s": learned["settled_s"],
@@ -266,6 +385,7 @@ def main() -> None:
             "load": a.load,
             "pair_error_s": a.pair_error_s,
             "pair_jitter_s": a.pair_jitter_s,
+            **phase_cols,
         }
         rows.append(row)
         print(
@@ -273,19 +393,54 @@ def main() -> None:
             f"best static ({row['best_static_mhz']} MHz) {row['static_vs_cap']:.3f}x cap, "
             f"law {row['law_vs_static']:.3f}x static, {row['law_vs_bounded_static']:.3f}x the "
             f"best within the law's step bounds ({row['bounded_static_mhz']} MHz); "
-            f"tokens {row['tokens_law_vs_cap']:.3f}x; "
+            f"{row['law_vs_ttft_static']:.3f}x the best with p95 TTFT <= {a.ttft_bound}x the "
+            f"cap's ({k_ttft[0]} MHz); tokens {row['tokens_law_vs_cap']:.3f}x; "
+            f"p95 TTFT {row['ttft_law_vs_cap']:.2f}x; "
             f"p95 step {base['step_p95_ms']:.1f} -> {learned['step_p95_ms']:.1f} ms; "
             f"settled at {learned['settled_s']:.0f} s",
             flush=True,
         )
+        if boosted is not None:
+            print(
+                f"  law with every prefill unlocked: J/token {phase_cols['boost_vs_cap']:.3f}x "
+                f"the cap's, {phase_cols['boost_vs_ttft_static']:.3f}x the best lock in the TTFT "
+                f"bound; p95 TTFT {phase_cols['ttft_boost_vs_cap']:.2f}x; "
+                f"tokens {phase_cols['tokens_boost_vs_cap']:.3f}x",
+                flush=True,
+            )
+        if "phases_mhz" in phase_cols:
+            (d, q), top_d = phase_cols["phases_mhz"], phase_cols["prefill_top_mhz"]
+            print(
+                f"  phases: best pair decode {d} / prefill {q} MHz "
+                f"{phase_cols['phases_vs_static']:.3f}x the best static lock; prefill at the "
+                f"top (decode {top_d} MHz) {phase_cols['prefill_top_vs_static']:.3f}x; "
+                f"with p95 TTFT <= {a.ttft_bound}x the cap's: {phase_cols['phases_ttft_mhz']} "
+                f"MHz, {phase_cols['phases_vs_ttft_static']:.3f}x that best lock",
+                flush=True,
+            )
     for key, what in (
-        ("law_vs_cap", "the cap"),
-        ("law_vs_static", "the best static lock"),
-        ("law_vs_bounded_static", "the best static lock within the law's step bounds"),
+        ("law_vs_cap", "law against the cap"),
+        ("law_vs_static", "law against the best static lock"),
+        ("law_vs_bounded_static", "law against the best static lock within the law's bounds"),
+        ("law_vs_ttft_static", "law against the best static lock within the TTFT bound"),
+        ("ttft_law_vs_cap", "law's p95 TTFT against the cap's"),
+        ("phases_vs_static", "the phases oracle against the best static lock"),
+        ("prefill_top_vs_static", "prefill at the top against the best static lock"),
+        (
+            "phases_vs_ttft_static",
+            "the phases oracle against the best lock, both in the TTFT bound",
+        ),
+        ("boost_vs_cap", "law with every prefill unlocked against the cap"),
+        ("boost_vs_ttft_static", "law with every prefill unlocked against the TTFT-bound lock"),
+        ("ttft_boost_vs_cap", "law with every prefill unlocked: p95 TTFT against the cap's"),
     ):
-        worst = max(rows, key=lambda r: r[key])
+        if key not in rows[0]:
+            continue
+        values = [r[key] for r in rows]
+        worst, best_row = max(rows, key=lambda r: r[key]), min(rows, key=lambda r: r[key])
         print(
-            f"law against {what}: median {float(np.median([r[key] for r in rows])):.3f}x, "
+            f"{what}: median {float(np.median(values)):.3f}x, "
+            f"best {best_row[key]:.3f}x (plant {best_row['seed']}), "
             f"worst {worst[key]:.3f}x (plant {worst['seed']})"
         )
     if a.out:
