@@ -74,6 +74,7 @@ def run(
     lock: tuple[int, int] | None = None,
     phases: tuple[int, int] | None = None,
     boost: bool = False,
+    rate_scale: float = 1.0,
     meter_lag_s: float = 0.0,
     load: str = "poisson",
     pair_error_s: float = 0.0,
@@ -110,7 +111,7 @@ def run(
     rng = np.random.default_rng(seed)
     jitter = np.random.default_rng(seed + 7)  # its own stream: the load is the same either way
     # About 60 % of what the plant serves at a 16-request batch (a sizing guess, not a figure).
-    rate = 0.6 * 16 / (profile.itl_base_s * 300 + 800 / profile.prefill_tok_s) / 2
+    rate = rate_scale * 0.6 * 16 / (profile.itl_base_s * 300 + 800 / profile.prefill_tok_s) / 2
     start_s = clock.t
 
     def rate_at(t: float) -> float:
@@ -281,6 +282,13 @@ def main() -> None:
         "levels squared runs a plant)",
     )
     p.add_argument(
+        "--rate-scale",
+        type=float,
+        default=1.0,
+        help="arrivals this many times the default (about 60 %% of what a plant serves at a "
+        "16-request batch)",
+    )
+    p.add_argument(
         "--boost",
         action="store_true",
         help="also run the law with every step that carries prompt tokens unlocked (the "
@@ -297,7 +305,9 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for seed in range(a.first, a.first + a.plants):
         profile, ceiling_w, kv = draw(seed)
-        plant = partial(run, profile, ceiling_w, kv, seed, a.seconds, load=a.load)
+        plant = partial(
+            run, profile, ceiling_w, kv, seed, a.seconds, load=a.load, rate_scale=a.rate_scale
+        )
         base = plant()
         settings: dict[str, Any] = dict(_setting(kv) for kv in a.set)
         policy = ClockPolicy(clock_objective="energy", **settings)
@@ -383,6 +393,7 @@ def main() -> None:
             "settled_s": learned["settled_s"],
             "meter_lag_s": a.meter_lag_s,
             "load": a.load,
+            "rate_scale": a.rate_scale,
             "pair_error_s": a.pair_error_s,
             "pair_jitter_s": a.pair_jitter_s,
             **phase_cols,
