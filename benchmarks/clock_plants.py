@@ -358,12 +358,12 @@ def main() -> None:
         if a.phases:
             pairs = list(runs)
             pair, pair_ttft = cheapest(runs, pairs), cheapest(runs, pairs, ttft_max_s=ttft_max_s)
-            boost = cheapest(runs, [k for k in pairs if k[1] == law.levels[0]])
+            lifted = cheapest(runs, [k for k in pairs if k[1] == law.levels[0]])
             phase_cols = {
                 "phases_mhz": pair,
                 "phases_vs_static": runs[pair]["j_per_token"] / best["j_per_token"],
-                "prefill_top_mhz": boost[0],
-                "prefill_top_vs_static": runs[boost]["j_per_token"] / best["j_per_token"],
+                "prefill_top_mhz": lifted[0],
+                "prefill_top_vs_static": runs[lifted]["j_per_token"] / best["j_per_token"],
                 "phases_ttft_mhz": pair_ttft,
                 "phases_vs_ttft_static": runs[pair_ttft]["j_per_token"] / ttft_lock["j_per_token"],
             }
