@@ -221,9 +221,12 @@ def test_a_case_with_no_room_reports_nothing_to_win() -> None:
     assert "nothing to win (0.75)" in text and "1.00x" in text
 
 
-def _run(goodput: float, over: int, pq: float | None, moves: list[float]) -> dict[str, Any]:
+def _run(
+    goodput: float, over: int, pq: float | None, moves: list[float], sent: float | None = None
+) -> dict[str, Any]:
     return {
         "goodput_rps": goodput,
+        "sent_rps": sent,
         "seconds_over_budget": over,
         "seconds": 20,
         "power_while_queued_over_budget": pq,
@@ -289,3 +292,24 @@ def test_a_run_whose_child_lost_its_port_runs_again_and_other_failures_stand(
     assert calls == ["fleet", "fleet"]
     with pytest.raises(ChildFailed, match="boom"):
         asyncio.run(fleet_matrix.run_once("broken", ns, 1, tmp_path))
+
+
+def test_the_bound_is_what_was_sent_over_the_splits_goodput_on_the_cases_counted() -> None:
+    """A fleet cannot answer more than was sent: sent ÷ the split's goodput bounds its ratio.
+    The median is over the cases the ratio's median counts (not the one with nothing to win)."""
+    flat = fleet_matrix.Case("flat", ("h100-8b",) * 2, ("instant",) * 2, 1.0, "moving", 10.0,
+                             4.0, 0.5)  # fmt: skip
+    roomy, other = fleet_matrix.reduced_cases()[0], fleet_matrix.reduced_cases()[4]
+    runs = {
+        flat: ([_run(4.0, 0, 0.8, [], sent=8.0)], [_run(4.0, 0, 0.8, [])]),
+        roomy: ([_run(4.0, 0, 0.8, [], sent=6.0), _run(5.0, 0, 0.8, [], sent=6.0)],
+                [_run(5.0, 0, 0.9, []), _run(5.0, 0, 0.9, [])]),
+        other: ([_run(10.0, 0, 0.8, [], sent=11.0)], [_run(10.5, 0, 0.9, [])]),
+    }  # fmt: skip
+    ss = [fleet_matrix.case_summary(c, {"hwcap": h, "fleet": f}) for c, (h, f) in runs.items()]
+    assert ss[1]["hwcap"]["bound_over_static"] == pytest.approx([1.5, 1.2])
+    over = fleet_matrix.overall(ss)["fleet"]
+    assert over["median_bound_over_static"] == pytest.approx((1.35 + 1.1) / 2)  # flat's 2.0 out
+    assert "| 1.35 (1.20-1.50) | 1.12 (1.00-1.25) |" in fleet_matrix.table(ss)
+    old = fleet_matrix.case_summary(roomy, {"hwcap": [_run(4.0, 0, 0.8, [])], "fleet": []})
+    assert old["hwcap"]["bound_over_static"] == []  # a run that did not count what it sent

@@ -426,6 +426,7 @@ def summarize(
         "reallocation_seconds": int(during.sum()),
         "seconds_over_budget_during_reallocation": int((over & during).sum()),
         "goodput_rps": good / a.duration_s,
+        "sent_rps": sum(len(r) for r in results) / a.duration_s,
         "hot_goodput_rps": hot_good / a.duration_s,
         "cold_goodput_rps": (good - hot_good) / a.duration_s,
         "good_and_sent_by_window_and_member": by_window.tolist(),
