@@ -463,20 +463,3 @@ def test_poisson_arrivals_at_a_steady_rate_seldom_read_as_rising() -> None:
         rises += sig._arrivals_up(RISE_SD)
         surges += sig._arrivals_up(SURGE_SD)
     assert rises / n < 0.05 and surges / n < 0.01
-
-
-def test_a_cold_member_whose_work_wanders_up_keeps_its_share_whatever_its_model_reads() -> None:
-    """A cold member lent down to a 226-W limit, inside its SLOs, whose work wanders up from 14
-    to 18 requests (not 2 sd past its high). Its model, taught on uncapped draws, reads 414 W
-    for that work: over the 384-W split. Bidding it, the member's fair floor became its whole
-    split and it took 160 W back from a hot member with 57 requests queued, lent it again
-    seconds later (a moving hot spot, stop 60). It keeps the share it has."""
-    model = LinearModel(400.0, 1.0)
-    kw: dict[str, Any] = {"queued": 0, "power_w": 225.0, "limit_w": 224.2, "model": model}
-    kw.update(ttft_p95_s=0.3, ceiling_w=226.5)
-    host = loop(t_s=10.0, in_flight=14, **kw)
-    sig = LoopSignals(host)
-    assert sig().want_w == pytest.approx(225.0 * (1 - GIVE_FRAC))  # steady: it gives
-    host.history = loop(t_s=11.0, in_flight=18, **kw).history  # wandered up: rising
-    bid = sig()
-    assert not bid.needy and bid.want_w == pytest.approx(226.5)

@@ -22,9 +22,8 @@
   left in the demand bid: members gave at the start of a burst, stop 44), and the window's
   p95s, timed on requests as they end, show that a request's length later; a member that
   gave then bid its capped draw down while its batch grew (docs/fleet.md, stop 34). Such a
-  member, measured inside, keeps the share it has and asks no more (bidding the device's most
-  or its model's uncapped want, cold members whose work wandered up took their splits back
-  from a hot one, stops 44 and 60); a held member not
+  member, measured inside, keeps the share it has (bidding the device's most, cold members
+  whose work wandered up took their splits back from a hot one, stop 44); a held member not
   measured inside bids the device's highest limit (want, above), so its fair floor is its
   whole split: a member lent out under its split that bid its capped draw plus headroom
   climbed back only `HEADROOM_FRAC` a period (stop 36). A member its limit does not hold
@@ -147,11 +146,10 @@ class LoopSignals:
             # its work not above the demand it last bid: it can give
             want = power_w * (1.0 - GIVE_FRAC)
         elif pinned and latency is Latency.INSIDE:  # held and inside, its work or arrivals up
-            # (not surging): it gives nothing and keeps the share it has. Not its model's want,
-            # its uncapped draw: bidding that (or the device's most, stop 44), a cold member
-            # whose work wandered up by a request or two took its split back from a hot one
-            # that was queueing, and was lent it again seconds later (stop 60)
-            want = self._ceiling_w()
+            # (not surging): it gives nothing and keeps the share it has; bidding the device's
+            # most, cold members whose work wandered up took their splits back from the hot
+            # one as a hot spot moved (the fleet, stop 44)
+            want = max(want, self._ceiling_w())
         elif pinned and bounds:  # held, and not shown it can spare a watt: its capped draw
             # says nothing of its demand, so it bids as a held member at risk does
             want = max(want, bounds[1])
