@@ -627,8 +627,8 @@ def overall(summaries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot(summaries: list[dict[str, Any]], path: Path) -> None:
-    """Per case: goodput over the static split (mean, range of repeats) for both fleet arms,
-    and power while work waits over the budget for all three."""
+    """Per case: goodput over the static split (mean, range of repeats) for both fleet arms
+    and its bound, and power while work waits over the budget for all three."""
     plt = pyplot()
 
     names = [s["case"]["name"] for s in summaries]
@@ -641,6 +641,9 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
         lo = mean - np.array([np.min(v) for v in vals])
         hi = np.array([np.max(v) for v in vals]) - mean
         ax1.bar(x + (j - 0.5) * 0.38, mean, 0.38, yerr=[lo, hi], capsize=3, label=label)
+    bounds = [_mean(s.get("hwcap", {}).get("bound_over_static", [])) for s in summaries]
+    ax1.scatter(x, [math.nan if b is None else b for b in bounds], marker="_", s=300, color="k",
+                label="bound: every request sent answered in time")  # fmt: skip
     ax1.axhline(1.0, color="k", lw=0.8)
     ax1.axhline(1.3, color="g", lw=0.8, ls="--", label="goal: median 1.3x")
     ax1.set_ylabel("goodput / static split")
