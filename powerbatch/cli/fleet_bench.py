@@ -394,6 +394,7 @@ def summarize(
     over = total > a.budget_w * (1 + OVER_TOLERANCE)
     queued = queued_seconds(rows, sim_rows or [], k)
     slo = (a.ttft_slo_s, a.tpot_slo_s)
+    sent = sum(len(rs) for rs in results)
     good = 0
     hot_good = 0
     hot_ttft: list[float] = []
@@ -426,12 +427,12 @@ def summarize(
         "reallocation_seconds": int(during.sum()),
         "seconds_over_budget_during_reallocation": int((over & during).sum()),
         "goodput_rps": good / a.duration_s,
-        "sent_rps": sum(len(r) for r in results) / a.duration_s,
+        "sent_rps": sent / a.duration_s,
         "hot_goodput_rps": hot_good / a.duration_s,
         "cold_goodput_rps": (good - hot_good) / a.duration_s,
         "good_and_sent_by_window_and_member": by_window.tolist(),
         "hot_high_ttft_p95_s": float(np.percentile(hot_ttft, 95)) if hot_ttft else None,
-        "requests": sum(len(r) for r in results),
+        "requests": sent,
         "events": events,
         "total_w": total.tolist(),
         "member_w": [p[:k].tolist() for p in per],
