@@ -268,6 +268,8 @@ def test_a_static_split_run_of_a_case_caps_each_gpu_set_and_counts_waiting_work(
     ns = fleet_matrix.case_args(a, case, c_scale(case))
     run = asyncio.run(asyncio.wait_for(fleet_bench.run_arm("hwcap", ns, 1, tmp_path), 35))
     assert run["requests"] > 0 and run["seconds"] == 3
+    assert run["sent_rps"] == pytest.approx(run["requests"] / 3)  # every request sent, per s
+    assert run["goodput_rps"] <= run["sent_rps"]  # so the bound is never under 1
     assert run["max_total_w"] > 0
     limits = [fleet_bench.split_limit_w(p, ns.budget_w, 2) for p in ns.plants]
     assert run["max_total_w"] <= sum(limits) * 1.02  # each capped at its split
