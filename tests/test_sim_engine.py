@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from powerbatch.errors import ConfigError, PowerLimitError, SensorUnavailable
 from powerbatch.sim import PROFILES, ModelPowerSource, SimEngine, SimPowerSource
 from powerbatch.sim.engine import QueueFull, RequestTooLarge, SimRequest, StepRecord
-from powerbatch.sim.gpu_model import decode_step_s, steady_state
+from powerbatch.sim.gpu_model import decode_step_s, steady_state, step_at_clock
 from powerbatch.telemetry.base import PowerSource
 
 T = TypeVar("T")
@@ -372,3 +372,48 @@ def test_model_power_source() -> None:
     assert busy == pytest.approx(620.0, rel=0.02)
     assert idle == PROFILES["h100-llama8b"].idle_w
     assert prefill > busy
+
+
+def _prefill_under_a_limit_set_mid_step(start_w: float, then_w: float) -> tuple[float, SimEngine]:
+    """One 8192-token prefill step started at `start_w`; the limit moves to `then_w` 0.15 s in."""
+
+    async def main() -> tuple[float, SimEngine]:
+        engine = SimEngine("h100-llama8b", power_limit_w=start_w)
+        await engine.start()
+        t0 = time.monotonic()
+        req = engine.add_request(8192, 1)
+        await asyncio.sleep(0.15)
+        engine.power_limit_w = then_w
+        assert engine.power_w() <= then_w + 1e-9  # the new limit holds at once, not next step
+        await req.wait_tokens(1)
+        elapsed = time.monotonic() - t0
+        await engine.stop()
+        return elapsed, engine
+
+    return run(main())
+
+
+def test_a_limit_raised_mid_step_speeds_the_rest_of_the_step() -> None:
+    elapsed, engine = _prefill_under_a_limit_set_mid_step(200.0, 700.0)
+    p = engine.profile
+    slow = step_at_clock(p, 0, 8192, 8192, 200.0).step_s  # about 1.1 s all at 200 W
+    fast = step_at_clock(p, 0, 8192, 8192, 700.0).step_s
+    expected = 0.15 + (1 - 0.15 / slow) * fast
+    assert elapsed < (expected + slow) / 2  # nearer the re-timed end than the old one
+    step = next(r for r in engine.trace if r.prefill_tokens)
+    assert step.step_s == pytest.approx(expected, abs=0.05)
+    assert 200.0 < step.power_w < step_at_clock(p, 0, 8192, 8192, 700.0).power_w
+    assert step.power_limit_w == 700.0
+    assert engine.energy_j(step.t_s + step.step_s) == pytest.approx(step.energy_j)
+
+
+def test_a_limit_lowered_mid_step_slows_it_and_the_energy_timeline_stays_whole() -> None:
+    elapsed, engine = _prefill_under_a_limit_set_mid_step(700.0, 200.0)
+    p = engine.profile
+    fast = step_at_clock(p, 0, 8192, 8192, 700.0).step_s  # about 0.33 s at 700 W
+    slow = step_at_clock(p, 0, 8192, 8192, 200.0).step_s
+    assert elapsed > (fast + 0.15 + (1 - 0.15 / fast) * slow) / 2
+    last = engine.trace[-1]
+    assert engine.energy_j(last.t_s + last.step_s) == pytest.approx(trace_energy_j(engine))
+    for a, b in itertools.pairwise(engine.trace):
+        assert b.t_s == pytest.approx(a.t_s + a.step_s, abs=1e-9)

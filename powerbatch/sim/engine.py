@@ -5,6 +5,13 @@ one token, or continue a chunked prefill), then admit from a FIFO waiting queue 
 token budget, `max_num_seqs` and free KV blocks allow; when a running request cannot grow, the most
 recently admitted one is preempted by recompute. Output length is always `max_tokens` (benchmarks'
 ignore_eos), so the load is deterministic.
+
+A power limit or clock lock set while a step runs acts on the rest of that step: the firmware
+meets a cap by throttling the clock, sampling board draw far faster than a step lasts (NVIDIA's
+nvidia-smi documentation: `-pl` takes effect at once, no reset needed). The running step's
+remaining fraction of work is re-timed at the new setting and its energy segment split there,
+so a long prefill step does not run out at a limit since lowered (over the ceiling), nor at one
+since raised (slower than the device).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -26,6 +33,7 @@ from powerbatch.sim.gpu_model import (
     DEFAULT_KV_CAPACITY_TOKENS,
     DEFAULT_PROFILE,
     PROFILES,
+    ClockedStep,
     GpuProfile,
     mean_noise_factor,
     noisy_readings_w,
@@ -234,6 +242,7 @@ class SimEngine:
         self.kv_capacity_tokens = self.num_blocks * block_size
         self.max_num_queued_reqs = max_num_queued_reqs
         self.max_lag_s = max_lag_s
+        self._step_work: tuple[int, int, int] | None = None  # running (decode, prefill, kv)
         self._power_limit_w = self.profile.tdp_w
         self._gpu_limits_w = [self.profile.tdp_w_per_gpu] * self.profile.num_gpus
         if self.profile.gpu_power_shares:  # the hottest GPU meets its board limit first
@@ -276,6 +285,9 @@ class SimEngine:
         self._energy_j = 0.0  # at _clock_s
         self._seg_t1: float | None = None  # None: idle, open-ended
         self._seg_power_w = self.profile.idle_w
+        self._seg_full_s = 0.0  # the running step's whole length at the setting in force
+        self._retimed = False  # the running step's setting changed while it ran
+        self._sleep: asyncio.Future[None] | None = None  # the loop's wait for the step's end
         self._history: deque[tuple[float, float, float]] = deque()  # closed (t0, e0, power_w)
 
         self._wake = asyncio.Event()
@@ -304,6 +316,7 @@ class SimEngine:
             if self.profile.gpu_power_shares
             else float(value)
         )
+        self._retime()
 
     @property
     def gpu_power_limits_w(self) -> list[float]:
@@ -330,6 +343,7 @@ class SimEngine:
             )
         self._gpu_limits_w[gpu] = float(value)
         self._power_limit_w = self.profile.set_limit_w(self._gpu_limits_w)
+        self._retime()
 
     # ---- the SM clock --------------------------------------------------------------------
 
@@ -356,12 +370,14 @@ class SimEngine:
                 f"got {min_mhz}..{max_mhz}"
             )
         self._locked_mhz[gpu] = (int(min_mhz), int(max_mhz))
+        self._retime()
 
     def reset_gpu_locked_clocks(self, gpu: int) -> None:
         """Back to the driver's default policy (nvmlDeviceResetGpuLockedClocks)."""
         if not 0 <= gpu < self.profile.num_gpus:
             raise ClockError(f"GPU index {gpu} does not exist")
         self._locked_mhz[gpu] = None
+        self._retime()
 
     def locked_top_mhz(self) -> float | None:
         """The clock the set runs busy steps at under its locks; None: unlocked."""
@@ -687,17 +703,12 @@ class SimEngine:
     def _plan(self, t0: float) -> tuple[list[tuple[SimRequest, int]], StepRecord]:
         """Schedule a step starting at `t0` and open its energy segment; return (work, record)."""
         scheduled, prefill, decode = self._schedule()
-        st = step_at_clock(
-            self.profile,
-            decode,
-            prefill,
-            self.kv_tokens,
-            self._power_limit_w,
-            kv_capacity_tokens=self.kv_capacity_tokens,
-            sm_clock_mhz=self.locked_top_mhz(),
-        )
+        self._step_work = (decode, prefill, self.kv_tokens)
+        self._retimed = False
+        st = self._step_at_setting()
         step_s, power_w = st.step_s, st.power_w
         self._seg_t1 = t0 + step_s
+        self._seg_full_s = step_s
         self._seg_power_w = power_w
         self._sm_clock_mhz = st.sm_clock_mhz
         rec = StepRecord(
@@ -715,6 +726,72 @@ class SimEngine:
         )
         return scheduled, rec
 
+    def _step_at_setting(self) -> ClockedStep:
+        assert self._step_work is not None
+        decode, prefill, kv_tokens = self._step_work
+        return step_at_clock(
+            self.profile,
+            decode,
+            prefill,
+            kv_tokens,
+            self._power_limit_w,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            sm_clock_mhz=self.locked_top_mhz(),
+        )
+
+    def _retime(self) -> None:
+        """A setting changed: run the rest of a running step at it (see the module docstring)."""
+        if self._step_work is None or (t1 := self._seg_t1) is None:
+            return
+        now = self._now()
+        if not self._clock_s <= now < t1:
+            return
+        left = (t1 - now) / self._seg_full_s
+        self._close_segment(now, None)
+        st = self._step_at_setting()
+        self._seg_full_s = st.step_s
+        self._seg_t1 = now + left * st.step_s
+        self._seg_power_w = st.power_w
+        self._sm_clock_mhz = st.sm_clock_mhz
+        self._retimed = True
+        if self._sleep is not None and not self._sleep.done():
+            self._sleep.set_result(None)
+
+    def _end_step(self, t0: float, t1: float, rec: StepRecord) -> StepRecord:
+        """Close the running step's last segment; a re-timed step's record carries its whole
+        length, its mean power and the setting it ended under."""
+        self._step_work = None
+        if self._retimed:
+            e1 = self._energy_j + self._seg_power_w * max(0.0, t1 - self._clock_s)
+            e0 = rec.energy_j - rec.power_w * rec.step_s
+            rec = replace(
+                rec,
+                step_s=t1 - t0,
+                power_w=(e1 - e0) / (t1 - t0) if t1 > t0 else self._seg_power_w,
+                energy_j=e1,
+                power_limit_w=self._power_limit_w,
+                sm_clock_mhz=self._sm_clock_mhz,
+            )
+        self._close_segment(t1, rec)
+        return rec
+
+    async def _sleep_to_step_end(self) -> float:
+        """Sleep until the running step ends; a re-time wakes it to sleep to the new end."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t1 = self._seg_t1
+            assert t1 is not None
+            delay = t1 - self._now()
+            if delay <= 0:
+                return t1
+            self._sleep = fut = loop.create_future()
+            handle = loop.call_later(delay, _wake, fut)
+            try:
+                await fut
+            finally:
+                handle.cancel()
+                self._sleep = None
+
     def _has_work(self) -> bool:
         return bool(self._running or self._waiting)
 
@@ -725,7 +802,7 @@ class SimEngine:
         self._close_idle(max(self._clock_s, self._now()))
         t0 = self._clock_s
         scheduled, rec = self._plan(t0)
-        self._close_segment(t0 + rec.step_s, rec)
+        self._end_step(t0, t0 + rec.step_s, rec)
         self.steps_total += 1
         self._complete(scheduled, t0 + rec.step_s)
         if not self._has_work():
@@ -755,6 +832,7 @@ class SimEngine:
         if self._seg_t1 is not None:  # a step was cut short: account it up to now
             now = self._now()
             self._close_segment(min(now, self._seg_t1), None)
+            self._step_work = None
             self._open_idle()
 
     @property
@@ -790,12 +868,16 @@ class SimEngine:
                 self._close_idle_gap(now)
             t0 = self._clock_s
             scheduled, rec = self._plan(t0)
-            t1 = t0 + rec.step_s
-            await asyncio.sleep(max(t1 - self._now(), 0.0))
-            self._close_segment(t1, rec)
+            t1 = await self._sleep_to_step_end()
+            self._end_step(t0, t1, rec)
             self.steps_total += 1
             self._complete(scheduled, t1)
 
     def _close_idle_gap(self, t1: float) -> None:
         self._open_idle()
         self._close_idle(t1)
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
