@@ -79,3 +79,22 @@ def test_a_server_with_no_step_in_the_run_reads_its_idle_draw() -> None:
     empty: dict[str, list[float]] = {"t_s": [], "step_s": [], "energy_j": []}
     _, p = power_1s(fleet_bench.with_energy_now(empty, end, start), 0.0, 5.0)
     assert p == pytest.approx([idle_w] * 5)
+
+
+def test_the_reach_counts_queued_members_at_their_sets_maximum_within_the_budget() -> None:
+    """Two 700-W sets, a 1,000-W budget. Second 0: member 0 queues at 600 W beside 300 W drawn:
+    it could take 700, so the reach is the budget. Second 1: member 0 queues at its 700-W
+    maximum beside 100 W: no allocation reaches past 800. Second 2: nothing waits."""
+    rows = [
+        {"t_s": 0.2, "member": 0, "queued": 3},
+        {"t_s": 0.7, "member": 1, "queued": 0},
+        {"t_s": 1.5, "member": 0, "queued": 1},
+        {"t_s": 2.5, "member": 0, "queued": 0},
+    ]
+    sim_rows = [{"t_s": 2.9, "member": 1, "sim_waiting": 0}]
+    queued = fleet_bench.queued_by_member(rows, sim_rows, 2, 3)
+    assert queued.tolist() == [[True, False], [True, False], [False, False]]
+    plants = fleet_bench.member_plants(args("--members", "2", "--budget-w", "1000"))
+    member_w = [[600.0, 700.0, 200.0], [300.0, 100.0, 200.0]]
+    reach = fleet_bench.reach_w(queued, member_w, plants, 1000.0)
+    assert reach.tolist() == [1000.0, 800.0, 400.0]

@@ -230,6 +230,7 @@ def _run(
         "seconds_over_budget": over,
         "seconds": 20,
         "power_while_queued_over_budget": pq,
+        "reach_while_queued_over_budget": None if pq is None else min(1.0, pq + 0.04),
         "mean_total_w": 1000.0,
         "seconds_to_move_watts": moves,
     }
@@ -252,6 +253,10 @@ def test_the_figures_are_ratios_to_the_static_split_of_the_same_seed(tmp_path: P
     assert over["fleet"]["worst_goodput_over_static"] == pytest.approx(0.75)
     assert over["fleet"]["worst_case"] == s2["case"]["name"]
     assert over["fleet"]["seconds_over_budget"] == 1
+    # over the reach: 0.965 / 1.0 (s), 0.9 / 0.94 (s2); 0.78 and 0.8 for the cap
+    assert over["fleet"]["mean_power_while_queued_over_reach"] == pytest.approx(
+        (0.965 + 0.9 / 0.94) / 2
+    )
     assert over["fleet-admission"]["median_goodput_over_static"] == pytest.approx((0.65 + 1.1) / 2)
     text = fleet_matrix.table([s, s2])
     assert case.name in text and "1.25 (1.00-1.50) | 1.25 |" in text

@@ -392,7 +392,9 @@ def summarize(
     k = min(len(p) for p in per)
     total = np.sum([p[:k] for p in per], axis=0)
     over = total > a.budget_w * (1 + OVER_TOLERANCE)
-    queued = queued_seconds(rows, sim_rows or [], k)
+    queued_by = queued_by_member(rows, sim_rows or [], len(per), k)
+    queued = queued_by.any(axis=1)
+    reach = reach_w(queued_by, [p[:k] for p in per], member_plants(a), a.budget_w)
     slo = (a.ttft_slo_s, a.tpot_slo_s)
     sent = sum(len(rs) for rs in results)
     good = 0
@@ -424,6 +426,9 @@ def summarize(
         "power_while_queued_over_budget": (
             float(total[queued].mean() / a.budget_w) if queued.any() else None
         ),
+        "reach_while_queued_over_budget": (
+            float(reach[queued].mean() / a.budget_w) if queued.any() else None
+        ),
         "reallocation_seconds": int(during.sum()),
         "seconds_over_budget_during_reallocation": int((over & during).sum()),
         "goodput_rps": good / a.duration_s,
@@ -449,17 +454,31 @@ def summarize(
     return out
 
 
-def queued_seconds(
-    rows: list[dict[str, Any]], sim_rows: list[dict[str, Any]], n_seconds: int
+def queued_by_member(
+    rows: list[dict[str, Any]], sim_rows: list[dict[str, Any]], members: int, n_seconds: int
 ) -> np.ndarray[Any, Any]:
-    """Whole seconds in which some member had work waiting: in its proxy's queue or, where a
-    server has no proxy (or its batch is full), in its engine's."""
-    mask = np.zeros(n_seconds, bool)
+    """[second, member]: whether the member had work waiting in that whole second, in its
+    proxy's queue or, where a server has no proxy (or its batch is full), in its engine's."""
+    mask = np.zeros((n_seconds, members), bool)
     for rs, key in ((rows, "queued"), (sim_rows, "sim_waiting")):
         for r in rs:
             if (r.get(key) or 0) > 0 and 0 <= r["t_s"] < n_seconds:
-                mask[int(r["t_s"])] = True
+                mask[int(r["t_s"]), r["member"]] = True
     return mask
+
+
+def reach_w(
+    queued: np.ndarray[Any, Any], member_w: list[Any], plants: list[Plant], budget_w: float
+) -> np.ndarray[Any, Any]:
+    """Per second, the most the fleet could have drawn usefully: what each member without
+    waiting work drew, plus each member with waiting work at its set's maximum limit, within
+    the budget. Where a queued member is already at its device's maximum, the watts its
+    budget leaves are out of any allocation's reach, and power while queued over the budget
+    cannot be 1."""
+    drawn = np.asarray(member_w, float).T  # [second, member]
+    top = np.array([p.profile.tdp_w for p in plants], float)
+    reach: np.ndarray[Any, Any] = np.minimum(np.where(queued, top, drawn).sum(axis=1), budget_w)
+    return reach
 
 
 def reallocation_windows(

@@ -493,6 +493,12 @@ def case_summary(
             "seconds_over_budget": [r["seconds_over_budget"] for r in rs],
             "seconds": [r["seconds"] for r in rs],
             "power_while_queued_over_budget": [r["power_while_queued_over_budget"] for r in rs],
+            # runs kept from before it was measured have none
+            "reach_while_queued_over_budget": [
+                r["reach_while_queued_over_budget"]
+                for r in rs
+                if r.get("reach_while_queued_over_budget") is not None
+            ],
             "mean_total_w": [r["mean_total_w"] for r in rs],
         }
         if arm == "hwcap":
@@ -604,6 +610,13 @@ def overall(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         worst = min(per_case)
         moves = [m for s in summaries for m in s.get(arm, {}).get("seconds_to_move_watts", [])]
         pq = [_mean(s[arm]["power_while_queued_over_budget"]) for s in summaries if arm in s]
+        of_reach = [
+            p / r
+            for s in summaries
+            if arm in s
+            and (p := _mean(s[arm]["power_while_queued_over_budget"])) is not None
+            and (r := _mean(s[arm].get("reach_while_queued_over_budget", [])))
+        ]
         out[arm] = {
             "median_goodput_over_static": statistics.median(ratios),
             # the same cases' bound: every request sent answered in time, over the split
@@ -622,6 +635,8 @@ def overall(summaries: list[dict[str, Any]]) -> dict[str, Any]:
                 (x for x in pq if x is not None), default=None
             ),
             "mean_power_while_queued_over_budget": _mean(pq),
+            # the same over what the fleet could have drawn (`fleet_bench.reach_w`)
+            "mean_power_while_queued_over_reach": _mean(of_reach),
         }
     return out
 
@@ -652,6 +667,9 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
         vals = [_mean(s.get(arm, {}).get("power_while_queued_over_budget", [])) for s in summaries]
         ax2.bar(x + (j - 1) * 0.27, [math.nan if v is None else v for v in vals], 0.27,
                 label={"hwcap": "static split (hardware cap)"}.get(arm, arm))  # fmt: skip
+    reach = [_mean(s.get("fleet", {}).get("reach_while_queued_over_budget", [])) for s in summaries]
+    ax2.scatter(x, [math.nan if r is None else r for r in reach], marker="_", s=300, color="k",
+                label="reach: queued members at their maximum")  # fmt: skip
     ax2.axhline(0.95, color="g", lw=0.8, ls="--", label="goal: 0.95")
     ax2.set_ylabel("summed power while work waits / budget")
     ax2.set_ylim(0, 1.1)
