@@ -47,6 +47,8 @@ def main() -> None:
     )
     out = []
     for name, case in cases.items():
+        if name not in rb:  # B ran a subset of A's cases
+            continue
         h, fa, fb = ra[name]["hwcap"][0], ra[name]["fleet"][0], rb[name]["fleet"][0]
         g = h["goodput_rps"]
         bound = h.get("sent_rps", h["requests"] / 20) / g
