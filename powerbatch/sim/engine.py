@@ -6,12 +6,13 @@ token budget, `max_num_seqs` and free KV blocks allow; when a running request ca
 recently admitted one is preempted by recompute. Output length is always `max_tokens` (benchmarks'
 ignore_eos), so the load is deterministic.
 
-A power limit or clock lock set while a step runs acts on the rest of that step: the firmware
-meets a cap by throttling the clock, sampling board draw far faster than a step lasts (NVIDIA's
-nvidia-smi documentation: `-pl` takes effect at once, no reset needed). The running step's
-remaining fraction of work is re-timed at the new setting and its energy segment split there,
-so a long prefill step does not run out at a limit since lowered (over the ceiling), nor at one
-since raised (slower than the device).
+Modelling choice: a power limit or clock lock set while a step runs acts on the rest of that
+step. A GPU's power management meets a limit by lowering its clock as it runs, not between a
+server's steps, and a seconds-long prefill step is one kernel sequence to it. How fast a real
+GPU follows a new limit is not measured here (the GPU check reads limits, it sets none). The
+running step's remaining fraction of work is re-timed at the new setting and its energy
+segment split there, so a long prefill step does not run out at a limit since lowered (over
+the ceiling), nor at one since raised (slower than the device).
 """
 
 from __future__ import annotations
