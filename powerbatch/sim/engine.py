@@ -755,8 +755,8 @@ class SimEngine:
         self._seg_power_w = st.power_w
         self._sm_clock_mhz = st.sm_clock_mhz
         self._retimed = True
-        if self._sleep is not None and not self._sleep.done():
-            self._sleep.set_result(None)
+        if self._sleep is not None:
+            _wake(self._sleep)
 
     def _end_step(self, t0: float, t1: float, rec: StepRecord) -> StepRecord:
         """Close the running step's last segment; a re-timed step's record carries its whole
@@ -880,5 +880,6 @@ class SimEngine:
 
 
 def _wake(fut: asyncio.Future[None]) -> None:
+    """End the loop's sleep (at the step's end, or early when a re-time moved it)."""
     if not fut.done():
         fut.set_result(None)
