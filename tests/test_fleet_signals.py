@@ -463,3 +463,27 @@ def test_poisson_arrivals_at_a_steady_rate_seldom_read_as_rising() -> None:
         rises += sig._arrivals_up(RISE_SD)
         surges += sig._arrivals_up(SURGE_SD)
     assert rises / n < 0.05 and surges / n < 0.01
+
+
+def test_a_lent_member_at_its_margin_takes_back_two_gives_not_its_whole_split() -> None:
+    """A cold member lent down to 229 W of its 384-W split, held there with 15 requests, its
+    step past half its TPOT SLO: needy, it took the hot member's share down to the split, and
+    its margin flickered back inside a period later. It wants back what two gives took; at its
+    split, at risk, it is needy as before."""
+    model = LinearModel(180.0, 1.0)
+    kw: dict[str, Any] = {"in_flight": 15, "queued": 0, "model": model, "tpot_p95_s": 0.08}
+    lent = LoopSignals(
+        loop(**kw, power_w=228.0, limit_w=229.0, ceiling_w=229.0), split_w=lambda: 384.0
+    )()
+    assert not lent.needy and lent.want_w == pytest.approx(229.0 / (1 - GIVE_FRAC) ** 2)
+    at_split = LoopSignals(
+        loop(**kw, power_w=383.0, limit_w=384.0, ceiling_w=384.0), split_w=lambda: 384.0
+    )()
+    assert at_split.needy and at_split.want_w == pytest.approx(DEVICE_MAX_W)
+    bids = {
+        "hot": Bid(0.05, DEVICE_MAX_W, 200.0, DEVICE_MAX_W, needy=True),
+        "lent": Bid(lent.value_per_w, lent.want_w, 200.0, DEVICE_MAX_W, lent.needy),
+    }
+    shares = allocate(bids, 768.0)
+    assert shares["lent"] == pytest.approx(lent.want_w)  # not the split's 384 W
+    assert shares["hot"] == pytest.approx(768.0 - lent.want_w)

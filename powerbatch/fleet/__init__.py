@@ -38,5 +38,5 @@ def attach(
         return
     from powerbatch.fleet.signals import LoopSignals
 
-    signals = LoopSignals(loop, counts)
+    signals = LoopSignals(loop, counts, lambda: member.lease.safe_w)
     member.attach(signals, loop.metrics.registry, signals.meter)

@@ -11,7 +11,10 @@
   it last bid by more than 2 sd of a Poisson count, or its arrivals surge (the rate over its
   5-s average by 3 sd of the rate's noise): more watts would buy goodput (these say so
   seconds before a queue or a latency does: without them a new hot member turned needy 4 s
-  after a move, and a member 1.7 s into its burst). A member held by its limit whose
+  after a move, and a member 1.7 s into its burst). Lent under its split (budget / N), a
+  member at risk is not needy: it wants what two gives took back (`GIVE_FRAC`, each a period),
+  not its whole split at once, so its margin flickering does not pull a hot member's share
+  down to the split and back (stop 62). A member held by its limit whose
   latency is measured well inside its SLOs (both known and under `RISK_FRAC`) slows as a
   capped server does and loses nothing by slowing a little more: it wants `GIVE_FRAC` less
   than it draws, so its share steps down while its latency allows. One whose latency is not
@@ -86,9 +89,15 @@ class Latency(Enum):
 class LoopSignals:
     """Callable: the bid, computed when the member publishes (once a period, off the tick)."""
 
-    def __init__(self, loop: ControlLoop, counts: Callable[[], QueueCounts] | None = None) -> None:
+    def __init__(
+        self,
+        loop: ControlLoop,
+        counts: Callable[[], QueueCounts] | None = None,
+        split_w: Callable[[], float] | None = None,
+    ) -> None:
         self.loop = loop
         self.counts = counts
+        self.split_w = split_w  # the member's static split, budget / N (None: not known)
         self._shape: Features | None = None  # the last per-request shape seen under load
         self._demand: tuple[float, float] | None = None  # (t_s, demand as bid)
         self._arrived: tuple[float, int] | None = None  # (t_s, arrivals counted by then)
@@ -135,13 +144,20 @@ class LoopSignals:
         surging = surge or (
             before is not None and work > before + 2.0 * math.sqrt(max(before, 1.0))
         )
-        needy = (
-            waiting
-            or ((pinned or queued > 0) and latency is Latency.AT_RISK)
-            or (pinned and surging)
-        )
+        at_risk = (pinned or queued > 0) and latency is Latency.AT_RISK
+        lent = self.split_w is not None and self._ceiling_w() < self.split_w() - 1e-6
+        needy = waiting or (at_risk and not lent) or (pinned and surging)
         if needy and pinned and bounds:
             want = max(want, bounds[1])  # held by the limit: it would draw more than it may
+        elif needy:  # work waits and the limit does not hold it now: it spares nothing of
+            # what it has (its model, taught under its limit, under-reads the demand, and a
+            # share that fell back on it came back a period later: the share flapped)
+            want = max(want, self._ceiling_w())
+        elif at_risk:  # lent under its split, its margin spent, its work neither waiting nor
+            # surging: it takes back what two gives took, not its whole split at once (needy, a
+            # cold member at its margin took a hot one's share down to the split and back
+            # within a period, again and again: docs/fleet.md, stop 62)
+            want = max(want, self._ceiling_w(), power_w) / (1.0 - GIVE_FRAC) ** 2
         elif pinned and latency is Latency.INSIDE and not rising:  # held, measured inside, and
             # its work not above the demand it last bid: it can give
             want = power_w * (1.0 - GIVE_FRAC)
@@ -153,10 +169,6 @@ class LoopSignals:
         elif pinned and bounds:  # held, and not shown it can spare a watt: its capped draw
             # says nothing of its demand, so it bids as a held member at risk does
             want = max(want, bounds[1])
-        elif needy:  # work waits and the limit does not hold it now: it spares nothing of
-            # what it has (its model, taught under its limit, under-reads the demand, and a
-            # share that fell back on it came back a period later: the share flapped)
-            want = max(want, self._ceiling_w())
         else:  # all it has is served: what it draws, and room for a few more; while its
             # work is at a new high, nothing of what it has (a meter that lags reads a lighter
             # load's draw: a member whose day rose gave watts on a reading 2 s old, then queued)
