@@ -476,8 +476,9 @@ def test_a_lent_member_at_its_margin_takes_back_two_gives_not_its_whole_split() 
         loop(**kw, power_w=228.0, limit_w=229.0, ceiling_w=229.0), split_w=lambda: 384.0
     )()
     assert not lent.needy and lent.want_w == pytest.approx(229.0 / (1 - GIVE_FRAC) ** 2)
+    # At its split, or a limit's margin under it: needy as before.
     at_split = LoopSignals(
-        loop(**kw, power_w=383.0, limit_w=384.0, ceiling_w=384.0), split_w=lambda: 384.0
+        loop(**kw, power_w=379.0, limit_w=380.0, ceiling_w=380.0), split_w=lambda: 384.0
     )()
     assert at_split.needy and at_split.want_w == pytest.approx(DEVICE_MAX_W)
     bids = {

@@ -145,7 +145,9 @@ class LoopSignals:
             before is not None and work > before + 2.0 * math.sqrt(max(before, 1.0))
         )
         at_risk = (pinned or queued > 0) and latency is Latency.AT_RISK
-        lent = self.split_w is not None and self._ceiling_w() < self.split_w() - 1e-6
+        # Lent: under its split by half a give or more (a member at its split holds a share a
+        # rounding or a limit's margin under it).
+        lent = self.split_w is not None and self._ceiling_w() < (1 - GIVE_FRAC / 2) * self.split_w()
         needy = waiting or (at_risk and not lent) or (pinned and surging)
         if needy and pinned and bounds:
             want = max(want, bounds[1])  # held by the limit: it would draw more than it may
