@@ -97,7 +97,9 @@ class LoopSignals:
     ) -> None:
         self.loop = loop
         self.counts = counts
-        self.split_w = split_w  # the member's static split, budget / N (None: not known)
+        # The member's static split: its safe share, budget / N unless set lower (lower, fewer
+        # members count as lent, as before stop 62); None: not known, none is lent.
+        self.split_w = split_w
         self._shape: Features | None = None  # the last per-request shape seen under load
         self._demand: tuple[float, float] | None = None  # (t_s, demand as bid)
         self._arrived: tuple[float, int] | None = None  # (t_s, arrivals counted by then)
