@@ -160,7 +160,7 @@ class LoopSignals:
         elif at_risk:  # lent under its split, its margin spent, its work neither waiting nor
             # surging: it takes back what two gives took, not its whole split at once (needy, a
             # cold member at its margin took a hot one's share down to the split and back
-            # within a period, again and again: docs/fleet.md, stop 62)
+            # within a period: docs/fleet.md, stop 62)
             want = max(want, self._ceiling_w(), power_w) / (1.0 - GIVE_FRAC) ** 2
         elif pinned and latency is Latency.INSIDE and not rising:  # held, measured inside, and
             # its work not above the demand it last bid: it can give
