@@ -149,19 +149,20 @@ class LoopSignals:
         at_risk = (pinned or queued > 0) and latency is Latency.AT_RISK
         # Lent: under its split by half a give or more (a member at its split holds a share a
         # rounding or a limit's margin under it).
-        lent = self.split_w is not None and self._ceiling_w() < (1 - GIVE_FRAC / 2) * self.split_w()
+        share_w = self._ceiling_w()
+        lent = self.split_w is not None and share_w < (1 - GIVE_FRAC / 2) * self.split_w()
         needy = waiting or (at_risk and not lent) or (pinned and surging)
         if needy and pinned and bounds:
             want = max(want, bounds[1])  # held by the limit: it would draw more than it may
         elif needy:  # work waits and the limit does not hold it now: it spares nothing of
             # what it has (its model, taught under its limit, under-reads the demand, and a
             # share that fell back on it came back a period later: the share flapped)
-            want = max(want, self._ceiling_w())
+            want = max(want, share_w)
         elif at_risk:  # lent under its split, its margin spent, its work neither waiting nor
             # surging: it takes back what two gives took, not its whole split at once (needy, a
             # cold member at its margin took a hot one's share down to the split and back
             # within a period: docs/fleet.md, stop 62)
-            want = max(want, self._ceiling_w(), power_w) / (1.0 - GIVE_FRAC) ** 2
+            want = max(want, share_w, power_w) / (1.0 - GIVE_FRAC) ** 2
         elif pinned and latency is Latency.INSIDE and not rising:  # held, measured inside, and
             # its work not above the demand it last bid: it can give
             want = power_w * (1.0 - GIVE_FRAC)
@@ -169,7 +170,7 @@ class LoopSignals:
             # (not surging): it gives nothing and keeps the share it has; bidding the device's
             # most, cold members whose work wandered up took their splits back from the hot
             # one as a hot spot moved (the fleet, stop 44)
-            want = max(want, self._ceiling_w())
+            want = max(want, share_w)
         elif pinned and bounds:  # held, and not shown it can spare a watt: its capped draw
             # says nothing of its demand, so it bids as a held member at risk does
             want = max(want, bounds[1])
@@ -178,7 +179,7 @@ class LoopSignals:
             # load's draw: a member whose day rose gave watts on a reading 2 s old, then queued)
             want = max(want, power_w) * (1.0 + HEADROOM_FRAC)
             if rising:
-                want = max(want, self._ceiling_w())
+                want = max(want, share_w)
         served = demand if rate is None else rate
         value = 2.0 * served / want if served > 0 and want > 0 else 0.0
         return MemberSignals(
