@@ -30,12 +30,8 @@ neighbours are left and each is probed. A probe is `clock_explore_s` of readings
 settle, so with a 1-s meter 2 s late the search takes about six probes of 5 s: it converges in
 about 30 s where walking one level per period took the whole run. It picks the best measured
 level, moving only for `clock_min_gain`. It searches again when the load's shape moves (the
-decode rate by half or double, or the prefill rate's share), on what it has learned and what
-the new probes add; the top is probed in the first search only (and again once its
-readings have been forgotten). A bursty load moves its shape
-at every burst, and a search that began at the top ran the burst there: nothing ends a probe
-while a burst lasts, since nothing is learned in one. Once settled it rechecks one neighbour
-every `clock_explore_every_s`.
+decode rate by half or double, or the prefill rate's share), forgetting most of what it
+learned, and once settled it rechecks one neighbour every `clock_explore_every_s`.
 
 Each tick, in order:
 * objective `throughput` (the default), no trustworthy reading, or no known clocks: unlocked;
@@ -80,6 +76,8 @@ SHIFT_DEMAND = math.log(2.0)
 in log, from where the search settled..."""
 SHIFT_PREFILL = 0.5
 """...or log1p(prefill tok/s / 1000) is over this from it."""
+KEEP_ON_SHIFT = 0.2
+"""On a shift, what is kept of the learned models' weight (the rest is forgotten at once)."""
 PROBE_TIMEOUT_S = 15.0
 """A probe that gathers no readings this long after its settle is dropped (kept in the bracket)."""
 GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
@@ -138,6 +136,11 @@ class _Rls:
         self.p = (self.p - np.outer(k, px)) / lam
         self.n = self.n * lam + w
 
+    def discount(self, keep: float) -> None:
+        """Forget at once: what was learned weighs `keep` of what it did."""
+        self.p = self.p / keep
+        self.n *= keep
+
     def predict(self, x: np.ndarray) -> float:
         return float(x @ self.theta)
 
@@ -168,7 +171,6 @@ class ClockLaw:
         # since it began, the probe in progress and what it has gathered.
         self._bracket: tuple[int, int] | None = (0, 0)
         self._probed: set[int] = set()
-        self._top_probed = False  # in any search since the levels were set
         self._probe: int | None = None
         self._probe_since_s = -math.inf
         self._probe_w = 0.0
@@ -214,7 +216,6 @@ class ClockLaw:
         self._forget = forget
         self._tick_hz = tick_hz
         self._best = 0
-        self._top_probed = False
         self._start_search(None)
 
     def _level_of(self, mhz: float) -> int:
@@ -355,8 +356,8 @@ class ClockLaw:
         """The next level the golden-section search needs measured; None: it is done. The
         bracket [a, b] (level indices, 0 the top) narrows as probes come in."""
         assert self._bracket is not None
-        if 0 not in self._probed and (not self._top_probed or self.samples(0) < MIN_SAMPLES):
-            return 0  # the reference every level is priced against, once or once forgotten
+        if 0 not in self._probed:
+            return 0  # the reference every level is priced against
         a, b = self._bracket
         b = min(b, self._floor(t_s))
         for i in sorted(self._probed):  # a probed level over the step bounds cuts from below
@@ -416,7 +417,6 @@ class ClockLaw:
         if self._probe is not None:
             if self._probe_w >= pol.clock_explore_s * self._tick_hz:
                 self._probed.add(self._probe)
-                self._top_probed |= self._probe == 0
                 self._probe = None
                 if self._bracket is None:  # a recheck: move to what is now best
                     self._best = self._pick(x, t)
@@ -425,7 +425,11 @@ class ClockLaw:
             else:
                 return ClockChoice(self._lock(self._probe), "probing", exploring=True)
         if self._bracket is None and self._shifted():
-            self._start_search(t)  # the load's shape moved: the levels are probed under it
+            # The load's shape moved: what was learned prices another regime.
+            for m in (self._log_power, self._log_step):
+                m.discount(KEEP_ON_SHIFT)
+            self._counts *= KEEP_ON_SHIFT
+            self._start_search(t)
         room = self._room(inp)
         if self._bracket is not None:
             nxt = self._next_probe(x, t)
