@@ -20,19 +20,10 @@ steps over its tokens, so the rises are averaged over a request's tokens: an exp
 average of both that forgets, per interval, the steps a decoding request took in it (the
 count's rise over the requests decoding through it) over the tokens a request decodes (the
 count's rises over the finished requests' rises, `vllm:request_decode_time_seconds`' count:
-vllm/v1/metrics/stats.py). Until a request has finished nothing is forgotten: the requests
-running have decoded through every step since the first (forgotten each interval instead, the
-first reading was the last interval alone, and a fleet member's first was a burst's 0.16-s step:
-docs/fleet.md, stop 54). A request's time per token then lies between what it has waited per
-token so far and the steps still to come, so from the `WARM_INTERVALS`th interval of decoding
-the reading is the lower of the average since decoding began and the last `WARM_INTERVALS`
-intervals' own steps: slow only where both are. A server started under a load it cannot decode
-within the SLO finishes nothing for a long time (0.9-s steps for 14 s on a drawn 8-GPU plant,
-whose latency law cut nothing while its batch grew to 235: docs/scenarios.md, stop 64); the
-first seconds of a load are its prompts, though, and a decode-only interval between two
-prefill bursts says the requests will end faster than they began (the average alone, on
-another drawn plant, cut a batch the requests' ends would not have, and its queue's first
-tokens waited 2.8x the cap's). A prefill
+vllm/v1/metrics/stats.py); none until a request has finished, since one interval alone is one
+prefill burst. Until then nothing is forgotten: the requests running have decoded through every
+step since the first (forgotten each interval instead, the first reading was the last interval
+alone, and a fleet member's first was a burst's 0.16-s step: docs/fleet.md, stop 54). A prefill
 burst that slows a few steps slows no request much, a batch too large for the SLO slows every
 one. That is what the requests running now will show at their end, a request's length before a
 window of finished requests' p95 does. (Forgotten over a decode
@@ -69,12 +60,6 @@ GENERATED_KEPT_S = 10.0
 """How far back the generated-token counter's scrapes are kept: past any meter's lag."""
 
 
-WARM_INTERVALS = 5
-"""Before any request has finished, the scrape intervals of decoding whose own steps must all be
-slow for the time per token to read slow: more than a load's first wave of prompts takes (four
-1-s intervals of 0.12-0.38 s a token on a drawn 2-GPU plant, then 0.02-0.07 s: docs/scenarios.md,
-stop 64)."""
-
 MISSES_KEPT = 2
 """Failed scrapes in a row through which the last load is kept; at the next the engine is taken
 for one without metrics, and its rate is measured anew."""
@@ -94,7 +79,6 @@ class EngineQueue:
         self._step_s: float | None = None  # the last intervals' mean ITL
         self._step_batch: float | None = None  # and the requests decoding over them
         self._per_request = (0.0, 0.0)  # ITL count and finished requests' rises, averaged
-        self._recent: deque[float] = deque(maxlen=WARM_INTERVALS)  # the last intervals' steps
         self._generated: deque[tuple[float, float]] = deque()  # (t_s, tokens generated ever)
 
     def update(self, up: UpstreamSignals | None, admitted: int, in_flight: int) -> None:
@@ -139,7 +123,6 @@ class EngineQueue:
     def _update_token_s(self, up: UpstreamSignals) -> None:
         if up.itl_sum_s is None or up.itl_count is None or up.t_s is None:
             self._tokens, self._itl, self._step_s, self._step_batch = None, (0.0, 0.0), None, None
-            self._recent.clear()
             return
         last, self._tokens = self._tokens, (up.t_s, up.itl_sum_s, up.itl_count)
         finished_before, self._finished = self._finished, up.decode_count
@@ -149,7 +132,6 @@ class EngineQueue:
         if count < 0 or total_s < 0:  # the engine restarted: its counts begin again
             self._itl, self._step_s, self._per_request = (0.0, 0.0), None, (0.0, 0.0)
             self._step_batch = None
-            self._recent.clear()
             return
         finished = 0.0
         if finished_before is not None and self._finished is not None:
@@ -168,7 +150,6 @@ class EngineQueue:
             own = 1.0 if x < 1e-9 else (1.0 - keep) / x
         self._itl = (keep * self._itl[0] + own * total_s, keep * self._itl[1] + own * count)
         if count > 0:
-            self._recent.append(total_s / count)
             self._step_s = ewma_step(self._step_s, total_s / count, RATE_WEIGHT)
             # The ITL sum's rise over the interval is the request-seconds spent waiting for
             # tokens: over the interval's length, the requests decoding through it, averaged
@@ -185,10 +166,4 @@ class EngineQueue:
     @property
     def token_s(self) -> float | None:
         total_s, count = self._itl
-        if count < 1.0:
-            return None
-        if self.tokens_per_request:
-            return total_s / count
-        if len(self._recent) == WARM_INTERVALS:  # see the module docstring
-            return min(total_s / count, min(self._recent))
-        return None
+        return total_s / count if count >= 1.0 and self.tokens_per_request else None

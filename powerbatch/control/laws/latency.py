@@ -106,8 +106,8 @@ class LatencyLaw:
         by_engine = engine is not None and engine.step_s is not None
         if by_engine:
             assert engine is not None and engine.step_s is not None
-            # No average (nothing finished and decoding only just began, or nothing decodes
-            # now): nothing to shrink on, and the p95 is no better.
+            # No average (no request has finished, or nothing decodes now): nothing to shrink
+            # on, and the p95 is no better.
             now = engine.step_s / slo_s
             ratio = engine.token_s / slo_s if engine.token_s is not None else min(now, 1.0)
             if engine.t_s != self._scrape_t_s:
