@@ -670,6 +670,24 @@ def test_no_member_with_work_waiting_gets_less_than_a_static_split() -> None:
     assert shares["hot"] <= 700.0 + 1e-9
 
 
+def test_a_needy_member_inside_its_slos_keeps_a_give_under_its_draw_not_its_split() -> None:
+    """Four held members under 1300 W, all needy: the hot one at risk, three cold ones whose
+    work climbs while their latency is measured inside (`keep_w`: a give under the 322 W they
+    draw). Floors at the split for all four left the hot member its 325 W while its queue grew
+    (4 x 8B, a hot spot moving every 5 s, seed 3: docs/fleet.md, stop 65); the cold ones keep
+    what they said they must, and the watts go where they are worth most."""
+    keep_w = 322.0 * 0.85
+    bids = {"hot": Bid(0.09, 700.0, 200.0, 700.0, needy=True)}
+    bids |= {c: Bid(0.015, 700.0, 200.0, 700.0, needy=True, keep_w=keep_w) for c in "abc"}
+    shares = allocate(bids, 1300.0)
+    assert sum(shares.values()) == pytest.approx(1300.0)
+    assert all(shares[c] >= keep_w - 1e-6 for c in "abc")
+    assert shares["hot"] > 1300.0 / 4 + 100.0
+    # at risk, each cold member keeps its whole split, as before
+    at_risk = {k: Bid(b.value_per_w, b.want_w, b.min_w, b.max_w, True) for k, b in bids.items()}
+    assert allocate(at_risk, 1300.0) == pytest.approx({k: 325.0 for k in bids})
+
+
 def test_watts_nobody_needs_go_to_the_needy_first_and_minima_are_kept() -> None:
     bids = {
         "hot": Bid(1.0, 500.0, 100.0, 900.0, needy=True),  # wants 500, can take 900

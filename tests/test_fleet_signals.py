@@ -215,6 +215,25 @@ def test_a_held_member_gives_watts_only_once_its_latency_is_measured_inside_its_
     assert late.needy  # one p95 measured past half its SLO is enough to be at risk
 
 
+def test_only_a_held_member_measured_inside_with_nothing_waiting_keeps_less_than_its_split() -> (
+    None
+):
+    """`keep_w`, the most the member's fair floor keeps: a give under its draw while its
+    limit holds it, nothing waits and its latency is measured inside; its whole split while
+    anything says it is short (work waits, a p95 past `RISK_FRAC`, not yet measured)."""
+    model = LinearModel(540.0, 1.0)
+    kw: dict[str, Any] = {"in_flight": 30, "power_w": 321.0, "limit_w": 322.0, "model": model}
+    inside = LoopSignals(loop(queued=0, ttft_p95_s=0.3, **kw))()
+    assert inside.keep_w == pytest.approx(321.0 * (1 - GIVE_FRAC))
+    for short in (
+        loop(queued=20, ttft_p95_s=0.3, **kw),  # work waits (`work_waits`)
+        loop(queued=0, ttft_p95_s=0.3, tpot_p95_s=0.08, **kw),  # a p95 past half its SLO
+        loop(queued=0, measured=False, **kw),  # not yet shown it can spare a watt
+        loop(queued=0, ttft_p95_s=0.3, **{**kw, "power_w": 250.0}),  # its limit does not hold
+    ):
+        assert LoopSignals(short)().keep_w == math.inf
+
+
 def test_a_held_member_whose_work_rises_gives_nothing_while_its_answers_are_still_inside() -> None:
     """A member turning hot under its 322-W limit: its work grows from 19 to 80 requests while
     the answers of its window (requests that arrived while it was cold) are well inside the

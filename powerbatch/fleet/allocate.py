@@ -6,11 +6,13 @@ clipped to each member's bounds, `static_split`): a fleet with nothing to move m
 nothing, and moving watts between members that all serve what they are sent buys nothing; only
 a member with no work at all lends its split to the members with work.
 Otherwise every member first gets what a static split would give it, budget / N, or less
-where it needs less (a member with no work waiting needs what it draws plus headroom); then the
+where it needs less (a member with no work waiting needs what it draws plus headroom, and a
+member that says it keeps less, `keep_w`, keeps that: held by its device limit inside its SLOs
+with nothing waiting, one give under its draw, needy or not: docs/fleet.md, stop 65); then the
 watts left, the surplus, go to the members with work waiting (`needy`), by water-filling on
 their bids; what they cannot take goes to them up to their maxima, and only then to the rest.
-So no member is held below its static share while it has work, and no watt is left undrawn
-while any member has work waiting.
+So no member is held below its static share while it has work waiting or is at risk, and no
+watt is left undrawn while any member has work waiting.
 
 Water-filling (`water_fill`): member i's marginal value is m_i(w) = v_i (1 - w / W_i) below its
 want W_i; one price lambda gives w_i = clip(W_i (1 - lambda / v_i)), found by bisection. A move
@@ -20,6 +22,7 @@ cuts the batch, so a grant within a dead band is kept while no needy member wait
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -33,6 +36,7 @@ class Bid:
     min_w: float
     max_w: float
     needy: bool = False  # work is waiting (or its device limit holds it with work)
+    keep_w: float = math.inf  # the most its fair floor keeps (inf: its whole split)
 
 
 def marginal_value(bid: Bid, w: float) -> float:
@@ -100,6 +104,11 @@ def _need_w(bid: Bid) -> float:
     return bid.max_w if bid.needy else min(max(bid.want_w, 0.0), bid.max_w)
 
 
+def _kept_w(bid: Bid) -> float:
+    """What a member's fair floor keeps: what it can use, no more than it says it must keep."""
+    return min(_need_w(bid), bid.keep_w)
+
+
 def fair_floors(
     bids: Mapping[str, Bid],
     budget_w: float,
@@ -158,7 +167,7 @@ def allocate(bids: Mapping[str, Bid], budget_w: float) -> dict[str, float]:
         return {}
     if not any(b.needy for b in bids.values()):
         return static_split(bids, budget_w)
-    shares = fair_floors(bids, budget_w)
+    shares = fair_floors(bids, budget_w, need=_kept_w)
     hungry = {k: _need_w(b) for k, b in bids.items() if _need_w(b) > shares[k] + 1e-9}
     left = budget_w - sum(shares.values())
     if hungry and left > 1e-6:

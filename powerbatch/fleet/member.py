@@ -52,6 +52,7 @@ class MemberSignals:
     floor_w: float = 0.0  # the least it can hold while it serves at all (0: any share)
     max_w: float = math.inf  # the most it can draw: its device's highest limit, or its TDP
     needy: bool = False  # work waits, or its device limit holds it with work
+    keep_w: float = math.inf  # the most its fair floor keeps (inf: its whole split)
 
 
 class Stage(StrEnum):
@@ -207,6 +208,7 @@ def bid_fields(settings: FleetSettings, sig: MemberSignals, using_w: float) -> d
         "min_w": lo,
         "max_w": hi,
         "needy": int(sig.needy),
+        "keep_w": round(sig.keep_w, 2) if math.isfinite(sig.keep_w) else "",
         "using_w": using_w,
         **{f"demand_{c}": k for c, k in sig.queued_by_class.items()},
     }
@@ -440,6 +442,7 @@ class FleetMember:
                 min_w=_f(h.get("min_w")),
                 max_w=_f(h.get("max_w"), budget),
                 needy=h.get("needy") == "1",
+                keep_w=_f(h.get("keep_w"), math.inf),
             )
         targets = allocate(bids, max(budget, 0.0))
         band_w = DEAD_BAND_FRAC * self.lease.safe_w

@@ -34,6 +34,13 @@
   under-reads, a share that fell on it came back a period later, and a lagging meter reads a
   lighter load's draw (stop 43). Any other member wants what it draws (or its model's
   demand, if more) plus `HEADROOM_FRAC`;
+* keep_w, the most its fair floor keeps: held by its limit with nothing waiting and its
+  latency measured inside, one give under its draw, even while its work climbs (needy): the
+  watt it spares is worth more to a member at risk, and its bid for the surplus still counts.
+  Floors at the split for every needy member held a hot spot's new member at its split
+  while cold members climbing inside their SLOs kept theirs (docs/fleet.md, stop 65). The
+  price: a new hot member, its work surging before its latency shows it, may be held a give
+  under its split for a period or two;
 * value_per_w = 2 λ / W, λ the requests arriving per second (`RATE_HALF_LIFE_S`): the modelled
   goodput at W is λ, what it could answer in time. Not D: a backlog is late work, and Little's
   law (D = λ T) counts it the more the longer it waits, so a member a hot spot had just left
@@ -182,6 +189,11 @@ class LoopSignals:
                 want = max(want, share_w)
         served = demand if rate is None else rate
         value = 2.0 * served / want if served > 0 and want > 0 else 0.0
+        # Held, nothing waiting and its latency measured inside: a give less than it draws is
+        # all its fair floor keeps (a watt it spares is worth more to a member at risk).
+        keep_w = math.inf
+        if pinned and not waiting and latency is Latency.INSIDE:
+            keep_w = power_w * (1.0 - GIVE_FRAC)
         return MemberSignals(
             power_w=rec.power_w,
             in_flight=rec.in_flight,
@@ -191,6 +203,7 @@ class LoopSignals:
             floor_w=max(floor, 0.0),
             max_w=most,
             needy=needy,
+            keep_w=keep_w,
         )
 
     def _ceiling_w(self) -> float:
