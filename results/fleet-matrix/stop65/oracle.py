@@ -8,7 +8,7 @@ need `capacity.need_w` (the lowest limit whose capped capacity covers its rate t
 to its device's range, with the part above the device's lowest limit scaled so that the caps
 sum to the budget (a surplus spread evenly up to each TDP). `beta` = 0 is the split itself;
 the best `beta` over `BETAS` is the oracle, knowing the rates at once (lag 0) or 1 s late.
-Each member runs through the same `SimEngine` as `capacity.replay` with its cap schedule. No
+Each member runs through `capacity.replay` (the benches' `SimEngine`) with its cap schedule. No
 proxy, network or CPU stands between: its ratio over the split is a reach for a law that
 follows the arrivals, not a bound on every law (one that drains a backlog can do better).
 
@@ -33,8 +33,8 @@ from powerbatch.cli.fleet_matrix import (
     member_plan,
 )
 from powerbatch.load.profile import Phase, PlannedRequest
-from powerbatch.sim.capacity import _within_slo, need_w
-from powerbatch.sim.engine import SimEngine, VirtualClock
+from powerbatch.sim.capacity import _within_slo, need_w, replay
+from powerbatch.sim.engine import SimEngine
 from powerbatch.sim.plants import Plant
 
 STEP_S = 0.25
@@ -70,30 +70,13 @@ def follow(needs: list[float], lo: list[float], hi: list[float], budget_w: float
 def run_member(
     plant: Plant, plan: list[PlannedRequest], limit_at: Callable[[float], float], seed: int
 ) -> int:
-    """Answers within both SLOs when `plan` runs on the plant with its cap at `limit_at(t)`."""
-    clock = VirtualClock(0.0)
-    eng = SimEngine(
-        plant.profile,
-        kv_capacity_tokens=plant.kv_capacity_tokens,
-        power_limit_w=limit_at(0.0),
-        seed=seed,
-        clock=clock,
-    )
-    todo = sorted(plan, key=lambda r: r.t_s)
-    sent, i, next_s = [], 0, STEP_S
-    while True:
-        while i < len(todo) and todo[i].t_s <= clock.t:
-            sent.append(eng.add_request(todo[i].prompt_tokens, todo[i].max_tokens))
-            i += 1
-        if clock.t >= next_s:
-            eng.power_limit_w = limit_at(clock.t)
-            next_s = (math.floor(clock.t / STEP_S) + 1) * STEP_S
-        if eng.step() is not None:
-            clock.t = eng.clock_s
-        elif i < len(todo):
-            clock.t = todo[i].t_s
-        else:
-            break
+    """Answers within both SLOs when `plan` runs on the plant with its cap at `limit_at(t)`
+    (`capacity.replay`, the cap reset every `STEP_S` of virtual time)."""
+
+    def cap(t_s: float, eng: SimEngine, sent: object) -> None:
+        eng.power_limit_w = limit_at(t_s)
+
+    sent = replay(plant, limit_at(0.0), plan, seed=seed, every_s=STEP_S, each=cap)
     return sum(_within_slo(r, TTFT_SLO_S, TPOT_SLO_S) for r in sent)
 
 
