@@ -154,6 +154,8 @@ class LoopSignals:
             before is not None and work > before + 2.0 * math.sqrt(max(before, 1.0))
         )
         at_risk = (pinned or queued > 0) and latency is Latency.AT_RISK
+        held_inside = pinned and latency is Latency.INSIDE
+        give_w = power_w * (1.0 - GIVE_FRAC)  # one give under what it draws
         # Lent: under its split by half a give or more (a member at its split holds a share a
         # rounding or a limit's margin under it).
         share_w = self._ceiling_w()
@@ -170,10 +172,10 @@ class LoopSignals:
             # cold member at its margin took a hot one's share down to the split and back
             # within a period: docs/fleet.md, stop 62)
             want = max(want, share_w, power_w) / (1.0 - GIVE_FRAC) ** 2
-        elif pinned and latency is Latency.INSIDE and not rising:  # held, measured inside, and
-            # its work not above the demand it last bid: it can give
-            want = power_w * (1.0 - GIVE_FRAC)
-        elif pinned and latency is Latency.INSIDE:  # held and inside, its work or arrivals up
+        elif held_inside and not rising:  # held, measured inside, and its work not above the
+            # demand it last bid: it can give
+            want = give_w
+        elif held_inside:  # held and inside, its work or arrivals up
             # (not surging): it gives nothing and keeps the share it has; bidding the device's
             # most, cold members whose work wandered up took their splits back from the hot
             # one as a hot spot moved (the fleet, stop 44)
@@ -191,9 +193,7 @@ class LoopSignals:
         value = 2.0 * served / want if served > 0 and want > 0 else 0.0
         # Held, nothing waiting and its latency measured inside: a give less than it draws is
         # all its fair floor keeps (a watt it spares is worth more to a member at risk).
-        keep_w = math.inf
-        if pinned and not waiting and latency is Latency.INSIDE:
-            keep_w = power_w * (1.0 - GIVE_FRAC)
+        keep_w = give_w if held_inside and not waiting else math.inf
         return MemberSignals(
             power_w=rec.power_w,
             in_flight=rec.in_flight,
