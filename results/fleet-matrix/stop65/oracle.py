@@ -32,6 +32,7 @@ from powerbatch.cli.fleet_matrix import (
     member_phases,
     member_plan,
 )
+from powerbatch.fleet.allocate import Bid, _spread
 from powerbatch.load.profile import Phase, PlannedRequest
 from powerbatch.sim.capacity import _within_slo, need_w, replay
 from powerbatch.sim.engine import SimEngine
@@ -50,21 +51,15 @@ def rate_at(phases: Sequence[Phase], t_s: float) -> float:
 
 def follow(needs: list[float], lo: list[float], hi: list[float], budget_w: float) -> list[float]:
     """Needs within the devices' ranges, scaled above the lowest limits to fit the budget, or
-    the surplus spread evenly up to each TDP."""
+    the surplus spread evenly up to each TDP (the allocator's `_spread`)."""
     need = [min(max(n, a), b) for n, a, b in zip(needs, lo, hi, strict=True)]
     if sum(need) > budget_w:
         over = [n - a for n, a in zip(need, lo, strict=True)]
         k = (budget_w - sum(lo)) / sum(over) if sum(over) > 0 else 0.0
         return [a + k * o for a, o in zip(lo, over, strict=True)]
-    w = list(need)
-    for _ in range(len(w)):
-        room = [i for i in range(len(w)) if w[i] < hi[i] - 1e-9]
-        left = budget_w - sum(w)
-        if not room or left <= 1e-9:
-            break
-        for i in room:
-            w[i] = min(hi[i], w[i] + left / len(room))
-    return w
+    bids = {i: Bid(0.0, 0.0, a, b) for i, (a, b) in enumerate(zip(lo, hi, strict=True))}
+    shares = _spread(dict(enumerate(need)), bids, budget_w)
+    return [shares[i] for i in range(len(need))]
 
 
 def run_member(
